@@ -1,0 +1,281 @@
+"""Per-message round trip of a GPU buffer between two processes, side by side.
+
+The producer (this process) sends a buffer through a ``spawn``
+``multiprocessing.Queue``; the consumer maps it, reads one element, closes it
+and acknowledges on a second queue. One message = put → open → read → close →
+ack, timed by the producer. Methods:
+
+- ``bare``: a 200-byte message, no GPU work (the queue's own floor);
+- ``raw``: CuPy runtime calls by hand (``ipcGetMemHandle``/``ipcOpenMemHandle``),
+  no keep-alive and no ordering: the floor for zero-copy sharing;
+- ``cupy_ipc``: ``get_ipc_handle``/``IpcArrayHandle.open`` with keep-alive and
+  ordering on (the defaults);
+- ``torch``: ``torch.multiprocessing`` with a CUDA tensor (when installed);
+- ``staging``: ``cupy.asnumpy`` → queue → ``cupy.asarray``.
+
+*fresh*: every message is a new allocation the consumer has never mapped (the
+previous one is freed, untimed, after its ack). *re-sent*: the same buffer
+every message, so handles and mappings may be reused where a method can.
+
+Usage::
+
+    python benchmarks/roundtrip.py --sizes 1MiB --iters 1000 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+METHODS = ("bare", "raw", "cupy_ipc", "torch", "staging")
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    for unit, factor in UNITS.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def size_label(n: int) -> str:
+    for unit, factor in reversed(UNITS.items()):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor} {unit}"
+    return f"{n} B"
+
+
+# --- the consumer ---------------------------------------------------------------
+def consumer(method: str, inbox: Any, outbox: Any) -> None:
+    import cupy
+
+    if method == "torch":
+        import torch  # noqa: F401 - unpickling the tensors needs torch's reductions
+    mapped: dict[bytes, int] = {}
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            break
+        if method == "bare":
+            value = len(msg)
+        elif method == "raw":
+            handle, nbytes, resent = msg
+            ptr = mapped.get(handle) if resent else None
+            if ptr is None:
+                ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+                if resent:
+                    mapped[handle] = ptr
+            mem = cupy.cuda.UnownedMemory(ptr, nbytes, None)
+            arr = cupy.ndarray((nbytes // 4,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+            value = float(arr[0])
+            del arr, mem
+            if not resent:
+                cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+        elif method == "cupy_ipc":
+            from cupy_ipc import IpcArrayHandle
+
+            with IpcArrayHandle.from_bytes(msg) as arr:
+                value = float(arr[0])
+            del arr
+        elif method == "torch":
+            value = float(msg[0])
+            del msg
+        else:  # staging
+            arr = cupy.asarray(msg)
+            value = float(arr[0])
+            del arr
+        outbox.put(value)
+
+
+# --- the producer -----------------------------------------------------------------
+def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
+    import cupy
+
+    if method == "bare":
+        return b"x" * 200
+    if method == "raw":
+        handle = cache.get("handle") if resent else None
+        if handle is None:
+            handle = cupy.cuda.runtime.ipcGetMemHandle(arr.data.ptr)
+            if resent:
+                cache["handle"] = handle
+        return (handle, arr.nbytes, resent)
+    if method == "cupy_ipc":
+        import cupy_ipc
+
+        return cupy_ipc.get_ipc_handle(arr).to_bytes()
+    if method == "torch":
+        return arr
+    return cupy.asnumpy(arr)
+
+
+def _new_buffer(method: str, nbytes: int, value: int) -> Any:
+    import cupy
+
+    if method == "torch":
+        import torch
+
+        return torch.full((nbytes // 4,), float(value), dtype=torch.float32, device="cuda")
+    return cupy.full(nbytes // 4, value, cupy.float32)
+
+
+def _free(method: str) -> None:
+    # Untimed: give the memory back so the next fresh buffer is a new allocation.
+    import cupy
+
+    if method == "cupy_ipc":
+        import cupy_ipc
+
+        cupy_ipc.collect()
+    if method == "torch":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    cupy.cuda.runtime.deviceSynchronize()
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def measure(method: str, nbytes: int, resent: bool, iters: int, warmup: int) -> list[float]:
+    """Round-trip times in seconds for ``iters`` messages after ``warmup``."""
+    if method == "torch":
+        import torch.multiprocessing as tmp
+
+        ctx: Any = tmp.get_context("spawn")
+    else:
+        ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=consumer, args=(method, inbox, outbox), daemon=True)
+    proc.start()
+    times: list[float] = []
+    cache: dict[str, Any] = {}
+    arr = _new_buffer(method, nbytes, 1) if resent else None
+    try:
+        for i in range(warmup + iters):
+            if not resent:
+                arr = _new_buffer(method, nbytes, 1)
+            t = time.perf_counter()
+            inbox.put(_message(method, arr, resent, cache))
+            value = outbox.get(timeout=600)
+            elapsed = time.perf_counter() - t
+            if method != "bare" and value != 1.0:
+                raise RuntimeError(f"{method}: consumer read {value}, expected 1.0")
+            if i >= warmup:
+                times.append(elapsed)
+            if not resent:
+                arr = None
+                _free(method)
+    finally:
+        inbox.put(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return times
+
+
+def available(method: str) -> bool:
+    if method != "torch":
+        return True
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def environment() -> dict[str, Any]:
+    import cupy
+
+    import cupy_ipc
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    env = {
+        "gpu": props["name"].decode(),
+        "driver": cupy.cuda.runtime.driverGetVersion(),
+        "runtime": cupy.cuda.runtime.runtimeGetVersion(),
+        "cupy": cupy.__version__,
+        "cupy_ipc": cupy_ipc.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1MiB", help="comma-separated sizes, e.g. 4KiB,1MiB,64MiB")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--iters", type=int, default=1000)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--markdown", help="write the table here")
+    args = parser.parse_args(argv)
+
+    from cupy_ipc._cuda import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"roundtrip: no GPU: {reason}", file=sys.stderr)
+        return 1
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    methods = [m for m in args.methods.split(",") if available(m)]
+    results = []
+    for nbytes in sizes:
+        for method in methods:
+            for resent in (False, True):
+                if method == "bare" and resent:
+                    continue
+                iters = max(3, min(args.iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
+                warmup = min(args.warmup, max(2, iters // 10))
+                t = measure(method, nbytes, resent, iters, warmup)
+                row = {
+                    "method": method, "bytes": nbytes, "resent": resent, "iters": len(t),
+                    "median_us": statistics.median(t) * 1e6,
+                    "p10_us": statistics.quantiles(t, n=10)[0] * 1e6 if len(t) >= 10 else min(t) * 1e6,
+                    "p90_us": statistics.quantiles(t, n=10)[-1] * 1e6 if len(t) >= 10 else max(t) * 1e6,
+                }
+                results.append(row)
+                print(f"{size_label(nbytes):>8} {method:<9} {'re-sent' if resent else 'fresh':<8} "
+                      f"median {row['median_us']:10.1f} us  ({len(t)} messages)", flush=True)
+    doc = {"environment": environment(), "results": results}
+    table = markdown(doc)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    return 0
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """Median round trips per size and method, with ratios against cupy_ipc."""
+    rows = doc["results"]
+    lines = ["| size | kind | method | median µs | p10–p90 µs | ÷ cupy_ipc |", "|---|---|---|---:|---:|---:|"]
+    ours = {(r["bytes"], r["resent"]): r["median_us"] for r in rows if r["method"] == "cupy_ipc"}
+    for r in rows:
+        ref = ours.get((r["bytes"], r["resent"]))
+        ratio = f"{r['median_us'] / ref:.2f}×" if ref else ""
+        kind = "re-sent" if r["resent"] else ("message" if r["method"] == "bare" else "fresh")
+        lines.append(f"| {size_label(r['bytes'])} | {kind} | {r['method']} | {r['median_us']:.1f} | "
+                     f"{r['p10_us']:.0f}–{r['p90_us']:.0f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Share CuPy arrays and CUDA events between processes of one host, with no copy.
+
+Example:
+    Producer::
+
+        import cupy, cupy_ipc
+        a = cupy.arange(10, dtype=cupy.float32)
+        data = cupy_ipc.get_ipc_handle(a).to_bytes()    # send these bytes
+
+    Consumer::
+
+        h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+        with h as b:                                    # maps the producer's memory
+            print(b.sum())
+"""
+
+from __future__ import annotations
+
+from . import _events, _keepalive, _mapping
+from ._array_handle import IpcArrayHandle, get_ipc_handle
+from ._errors import ClosedError, HandleError, IpcError, ProducerExitedError
+from ._events import IpcEvent, IpcEventHandle
+from ._identity import Producer
+from ._keepalive import PinInfo
+from ._mapping import set_idle_mapping_limit
+from ._wire import DeviceId
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClosedError",
+    "DeviceId",
+    "HandleError",
+    "IpcArrayHandle",
+    "IpcError",
+    "IpcEvent",
+    "IpcEventHandle",
+    "PinInfo",
+    "Producer",
+    "ProducerExitedError",
+    "collect",
+    "get_ipc_handle",
+    "pinned",
+    "set_idle_mapping_limit",
+]
+
+
+def collect() -> None:
+    """Free what is no longer needed, now.
+
+    In a producer: end the pins of exports whose consumers are done. In a
+    consumer: unmap idle mappings and destroy cached producer events.
+
+    Example:
+        >>> import cupy_ipc
+        >>> cupy_ipc.collect()
+    """
+    _keepalive.sweep()
+    _mapping.collect_idle()
+    _events.drop_cached()
+
+
+def pinned() -> list[PinInfo]:
+    """The exports this process keeps alive for consumers, with their sizes.
+
+    Example:
+        >>> import cupy_ipc
+        >>> cupy_ipc.pinned()
+        []
+    """
+    return _keepalive.pinned()

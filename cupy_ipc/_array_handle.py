@@ -1,0 +1,408 @@
+"""Array handles: export a GPU array with :func:`get_ipc_handle`, open it with :meth:`IpcArrayHandle.open`."""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Iterable
+
+import numpy as np
+
+from . import _cuda, _keepalive, _mapping, _segment
+from ._errors import IpcError
+from ._events import check_same_host, open_cached
+from ._identity import Producer, this_process
+from ._wire import (
+    FLAG_EVENT,
+    FLAG_KEEPALIVE,
+    VERSION,
+    ArrayFields,
+    DeviceId,
+    Kind,
+    dtype_of,
+    pack_array,
+    unpack_array,
+    validate_array,
+)
+
+__all__ = ["IpcArrayHandle", "get_ipc_handle"]
+
+_NO_HANDLE = bytes(64)
+
+# Memory handles by the driver's buffer id, which is never reused in a process,
+# so re-exporting an allocation skips cudaIpcGetMemHandle.
+_handle_cache: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
+_handle_cache_lock = threading.Lock()
+_HANDLE_CACHE_SIZE = 4096
+
+
+def _memory_handle(base: int, buffer_id: int) -> bytes:
+    with _handle_cache_lock:
+        raw = _handle_cache.get(buffer_id)
+        if raw is not None:
+            _handle_cache.move_to_end(buffer_id)
+            return raw
+    from cupy.cuda import runtime
+
+    raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
+    with _handle_cache_lock:
+        _handle_cache[buffer_id] = raw
+        while len(_handle_cache) > _HANDLE_CACHE_SIZE:
+            _handle_cache.popitem(last=False)
+    return raw
+
+
+# Allocation facts per live cupy.ndarray: its pointer cannot change while it
+# lives, so a re-sent array skips the driver query.
+_by_array: dict[int, tuple[Any, _cuda.PointerInfo, bytes]] = {}
+
+
+def _allocation(arr: Any, cacheable: bool) -> tuple[_cuda.PointerInfo, bytes]:
+    """The allocation behind a non-empty array and its memory handle."""
+    key = id(arr)
+    hit = _by_array.get(key)
+    if hit is not None and hit[0]() is arr:
+        return hit[1], hit[2]
+    info = _cuda.pointer_info(arr.data.ptr)
+    if info.memory_type != "device":
+        raise IpcError(_KIND_ADVICE[info.memory_type])
+    if not info.legacy_ipc:
+        raise IpcError(
+            "this memory comes from a stream-ordered pool (cudaMallocAsync) or CUDA's virtual memory "
+            "API, which CUDA IPC memory handles cannot share; allocate it with cudaMalloc "
+            "(CuPy's default MemoryPool)"
+        )
+    handle = _memory_handle(info.base, info.buffer_id)
+    if cacheable:
+        cache = _by_array  # bound here: the callback may run while the module is torn down
+
+        def forget(ref: Any) -> None:
+            hit = cache.get(key)
+            if hit is not None and hit[0] is ref:
+                del cache[key]
+
+        _by_array[key] = (weakref.ref(arr, forget), info, handle)
+    return info, handle
+
+
+def _as_cupy(array: Any) -> Any:
+    import cupy
+
+    if isinstance(array, cupy.ndarray):
+        return array
+    if hasattr(array, "__dlpack_device__"):
+        device_type, _ = array.__dlpack_device__()
+        if int(device_type) != 2:  # kDLCUDA
+            raise TypeError(f"{type(array).__name__} lives on DLPack device type {device_type}, not a CUDA GPU")
+        return cupy.from_dlpack(array)
+    if hasattr(array, "__cuda_array_interface__"):
+        return cupy.asarray(array)
+    raise TypeError(
+        f"cannot share a {type(array).__name__}: pass a cupy.ndarray or an object with "
+        "__cuda_array_interface__ or __dlpack__ on a CUDA device"
+    )
+
+
+_KIND_ADVICE = {
+    "managed": "managed memory (cudaMallocManaged) cannot be shared with CUDA IPC; copy it into device memory",
+    "host": "host memory cannot be shared with CUDA IPC; copy it to the GPU first (cupy.asarray)",
+    "unknown": "the driver does not know this pointer as device memory",
+}
+
+
+def get_ipc_handle(
+    array: Any,
+    *,
+    stream: Any = None,
+    keepalive: bool = True,
+    sync: bool = True,
+    consumers: int = 1,
+    lease: float | None = None,
+) -> "IpcArrayHandle":
+    """Export a GPU array so that other processes of this host can map it.
+
+    Args:
+        array: A ``cupy.ndarray`` of any layout, or any object with
+            ``__dlpack__`` or ``__cuda_array_interface__`` on a CUDA device
+            (a PyTorch tensor, a Numba device array).
+        stream: Where the work that produces the array was queued (default:
+            CuPy's current stream). With ``sync`` the handle carries an event
+            recorded there, and ``open()`` makes the consumer's stream wait
+            on it on the GPU.
+        keepalive: Keep the memory alive until ``consumers`` processes have
+            opened the handle and finished with it. Turn off only if you keep
+            the array alive yourself until every consumer is done.
+        sync: Record the ordering event. Turn off only if you synchronize
+            before sending.
+        consumers: How many processes will open this handle.
+        lease: Seconds after which the export is revoked if not all consumers
+            opened it; ``None`` keeps it until :meth:`IpcArrayHandle.release`.
+
+    Returns:
+        An immutable, picklable :class:`IpcArrayHandle`.
+
+    Raises:
+        TypeError: ``array`` is not a GPU array.
+        HandleError: Its dtype cannot be shared.
+        IpcError: Its memory cannot be shared (managed, host, pool or
+            virtual-memory allocations), or a CUDA call failed.
+
+    Example:
+        >>> import cupy, cupy_ipc                         # doctest: +SKIP
+        >>> a = cupy.arange(6, dtype=cupy.float32)        # doctest: +SKIP
+        >>> h = cupy_ipc.get_ipc_handle(a)                # doctest: +SKIP
+        >>> h                                             # doctest: +SKIP
+        <IpcArrayHandle shape=(6,) dtype=float32 device=0 producer=pid 4242@gpu-host>
+    """
+    if consumers < 1:
+        raise ValueError("consumers must be at least 1")
+    if lease is not None and lease <= 0:
+        raise ValueError("lease must be a positive number of seconds")
+    arr = _as_cupy(array)
+    dtype = dtype_of(arr.dtype)
+    me = this_process()
+    device = arr.data.device_id
+    uuid = _cuda.device_uuid(device)
+    shape, strides = arr.shape, arr.strides
+    if arr.size == 0:
+        fields = ArrayFields(Kind.EMPTY, 0, dtype, _NO_HANDLE, 0, 0, 0, 0, DeviceId(device, uuid), me,
+                             0, 0, _NO_HANDLE, shape, strides)
+        return IpcArrayHandle._make(fields)
+    info, mem_handle = _allocation(arr, cacheable=arr is array)
+    export_id = slot = 0
+    event = _NO_HANDLE
+    flags = 0
+    if keepalive or sync:
+        with _cuda.using_device(device):
+            export_id, slot, ev = _keepalive.pin(
+                array if keepalive else None, nbytes=info.size, device=device, consumers=consumers,
+                lease=lease, stream_ptr=_cuda.stream_ptr(stream) if sync else None,
+                description=(shape, dtype),
+            )
+        if keepalive:
+            flags |= FLAG_KEEPALIVE
+        if ev is not None:
+            flags |= FLAG_EVENT
+            event = ev
+    else:
+        _segment.own_segment(me.token)  # lets consumers tell that we are alive
+    fields = ArrayFields(
+        Kind.LEGACY, flags, dtype, mem_handle, arr.data.ptr - info.base, info.size, info.base,
+        info.buffer_id, DeviceId(device, uuid), me, export_id, slot, event, shape, strides,
+    )
+    validate_array(fields)
+    return IpcArrayHandle._make(fields)
+
+
+class IpcArrayHandle:
+    """An immutable, picklable value naming a GPU array of some process.
+
+    Fields: the 64-byte memory handle of the base allocation, the array's
+    byte offset in it, the allocation size, shape, strides (bytes), dtype,
+    device (ordinal and UUID) and producer (pid, random token, boot id,
+    host). Build one with :func:`get_ipc_handle`, or from field values for
+    tests and custom transports; either way it is validated.
+
+    ``open()`` maps the memory and returns a ``cupy.ndarray``; ``close()``
+    drops the arrays this handle returned. The mapping itself ends when the
+    last array or view using it is garbage-collected, so closing never
+    strands an array.
+
+    Example:
+        >>> h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=64,
+        ...                    shape=(4, 2), strides=(8, 4), dtype="float32",
+        ...                    device=(0, bytes(16)), producer=(1, bytes(16), bytes(16), "gpu-host"))
+        >>> h
+        <IpcArrayHandle shape=(4, 2) dtype=float32 device=0 producer=pid 1@gpu-host>
+        >>> IpcArrayHandle.from_bytes(h.to_bytes()) == h
+        True
+    """
+
+    __slots__ = ("_f", "_opened", "__weakref__")
+
+    def __init__(
+        self,
+        *,
+        memory_handle: bytes,
+        offset: int,
+        allocation_size: int,
+        shape: Iterable[int],
+        strides: Iterable[int],
+        dtype: Any,
+        device: tuple[int, bytes],
+        producer: tuple[int, bytes, bytes, str],
+        kind: int = Kind.LEGACY,
+    ) -> None:
+        fields = ArrayFields(
+            int(kind), 0, dtype_of(dtype), bytes(memory_handle), int(offset), int(allocation_size), 0, 0,
+            DeviceId(*device), Producer(*producer), 0, 0, _NO_HANDLE, tuple(int(n) for n in shape),
+            tuple(int(s) for s in strides),
+        )
+        validate_array(fields)
+        object.__setattr__(self, "_f", fields)
+        object.__setattr__(self, "_opened", [])
+
+    @classmethod
+    def _make(cls, fields: ArrayFields) -> "IpcArrayHandle":
+        h = cls.__new__(cls)
+        object.__setattr__(h, "_f", fields)
+        object.__setattr__(h, "_opened", [])
+        return h
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("IpcArrayHandle is immutable")
+
+    # --- the value ------------------------------------------------------------
+    version = property(lambda self: VERSION, doc="Wire format version.")
+    kind = property(lambda self: Kind.names[self._f.kind], doc="How the memory is shared: 'legacy' or 'empty'.")
+    memory_handle = property(lambda self: self._f.memory_handle, doc="64-byte CUDA memory handle of the allocation.")
+    offset = property(lambda self: self._f.offset, doc="Byte offset of element 0 in the allocation.")
+    allocation_size = property(lambda self: self._f.allocation_size, doc="Bytes in the base allocation.")
+    shape = property(lambda self: self._f.shape)
+    strides = property(lambda self: self._f.strides, doc="Strides in bytes.")
+    dtype = property(lambda self: self._f.dtype)
+    device = property(lambda self: self._f.device, doc="The producer's ``DeviceId(ordinal, uuid)``.")
+    producer = property(lambda self: self._f.producer, doc="``Producer(pid, token, boot_id, host)``.")
+    keepalive = property(lambda self: bool(self._f.flags & FLAG_KEEPALIVE), doc="The producer pins the memory.")
+    synced = property(lambda self: bool(self._f.flags & FLAG_EVENT), doc="open() waits on the producer's event.")
+    ndim = property(lambda self: len(self._f.shape))
+    size = property(lambda self: int(np.prod(self._f.shape, dtype=object)))
+    nbytes = property(lambda self: self.size * self._f.dtype.itemsize)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "IpcArrayHandle":
+        """Parse and validate the output of :meth:`to_bytes`; no CUDA call is made.
+
+        Raises:
+            HandleError: The bytes are malformed or describe memory unsafely.
+        """
+        return cls._make(unpack_array(data))
+
+    def to_bytes(self) -> bytes:
+        """The wire form: versioned, fixed layout, no pickle inside."""
+        return pack_array(self._f)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (IpcArrayHandle.from_bytes, (self.to_bytes(),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IpcArrayHandle) and self._f == other._f
+
+    def __hash__(self) -> int:
+        return hash(self._f)
+
+    def __repr__(self) -> str:
+        p = self._f.producer
+        return (f"<IpcArrayHandle shape={self._f.shape} dtype={self._f.dtype} "
+                f"device={self._f.device.ordinal} producer=pid {p.pid}@{p.host}>")
+
+    # --- opening ------------------------------------------------------------------
+    def open(self, *, stream: Any = None) -> Any:
+        """Map the array into this process and return it as a ``cupy.ndarray``.
+
+        The consumer's ``stream`` (default: the current one) waits on the
+        producer's event on the GPU. Queue the work that uses the array on
+        that stream (or after it): its completion is what releases the
+        producer's memory once the array is gone.
+
+        In the exporting process this returns a view of the producer's own
+        memory without any CUDA IPC call.
+
+        Raises:
+            HandleError: The handle is from another host, names a GPU this
+                process cannot see, or claims more memory than was mapped.
+            ProducerExitedError: The producer has exited.
+            IpcError: The producer no longer shares the memory, or CUDA failed.
+        """
+        import cupy
+
+        f = self._f
+        check_same_host(f.producer)
+        device = _cuda.ordinal_of_uuid(f.device.uuid)
+        if f.kind == Kind.EMPTY:
+            with cupy.cuda.Device(device):
+                arr = cupy.empty(f.shape, f.dtype)
+            self._opened.append(arr)
+            return arr
+        own = f.producer.token == this_process().token
+        keep = None
+        if own:
+            keep = _keepalive.lookup(f.export_id) if f.export_id else None
+            if keep is None:
+                info = _cuda.pointer_info(f.base_ptr)
+                if info.buffer_id != f.buffer_id or info.base != f.base_ptr:
+                    raise IpcError("this process exported that memory and has since freed it")
+        # Raises ProducerExitedError if the producer is gone; in our own
+        # process it is a second open file, so that our locks are separate.
+        seg = _segment.attach(f.producer.token, f.producer.pid)
+        with _cuda.using_device(device):
+            stream_obj = _cuda.as_cupy_stream(stream)
+            ptr, lease = _mapping.acquire(
+                key=(device, f.kind, f.memory_handle) if not own else (device, "own", f.buffer_id),
+                device=device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
+                own_ptr=f.base_ptr if own else None, keep=keep, segment=seg, producer_token=f.producer.token,
+                producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
+            )
+            if f.flags & FLAG_EVENT and not own:
+                open_cached(f.event_handle, device, f.producer).wait(stream_obj)
+            elif f.flags & FLAG_EVENT:
+                _keepalive.wait_own_event(f.export_id, stream_obj)
+            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)
+            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+        self._opened.append(arr)
+        return arr
+
+    def close(self) -> None:
+        """Drop the arrays this handle opened. Idempotent.
+
+        Memory is unmapped when the last array or view using it is freed. If
+        views other than the returned array outlive this call, a
+        ``ResourceWarning`` says how many.
+        """
+        opened = self._opened[:]
+        self._opened.clear()
+        outliving = 0
+        while opened:
+            arr = opened.pop()
+            if arr.size == 0:
+                continue
+            mem = arr.data.mem
+            ref = weakref.ref(arr)
+            del arr
+            a = ref()
+            # References to the memory: one per array or view, plus ``mem`` and the call's argument.
+            users = sys.getrefcount(mem) - 2
+            if a is None:
+                outliving += users
+            else:
+                others = users - 1
+                holders = sys.getrefcount(a) - 2
+                outliving += others if others else max(0, holders - 1)
+                del a
+        if outliving:
+            warnings.warn(
+                f"IpcArrayHandle closed while {outliving} other array(s) or view(s) still use its memory; "
+                "it stays mapped until they are freed",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+    def release(self) -> None:
+        """Producer side: stop new opens and let the memory go once current consumers are done.
+
+        Raises:
+            IpcError: Called in a process other than the producer.
+        """
+        if self._f.producer.token != this_process().token:
+            raise IpcError("release() is for the process that exported the handle")
+        if self._f.export_id:
+            _keepalive.release(self._f.export_id)
+
+    def __enter__(self) -> Any:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,264 @@
+"""The CUDA calls cupy_ipc makes, with errors turned into :class:`IpcError`.
+
+CuPy wraps the runtime; NVIDIA's cuda-bindings gives the driver calls CuPy
+does not (the allocation range behind a pointer). Both are imported lazily so
+that the package imports, and its handles validate, on machines with no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+
+from ._errors import HandleError, IpcError
+
+__all__ = [
+    "PointerInfo",
+    "as_cupy_stream",
+    "call",
+    "device_count",
+    "device_uuid",
+    "ordinal_of_uuid",
+    "pointer_info",
+    "stream_idle",
+    "stream_ptr",
+    "unavailable_reason",
+    "using_device",
+]
+
+T = TypeVar("T")
+
+# A hint for the CUDA errors that users of IPC meet, keyed by CUDA error name.
+_HINTS = {
+    "cudaErrorDeviceUninitialized": (
+        "the handle was opened in a context that cannot import it; opening in "
+        "the exporting process or after the producer exited causes this"
+    ),
+    "cudaErrorInvalidResourceHandle": "the producer freed this memory or event, or has exited",
+    "cudaErrorMapBufferObjectFailed": (
+        "the driver could not map the memory: the producer may have exited, or "
+        "the two GPUs cannot access each other (no peer access)"
+    ),
+    "cudaErrorPeerAccessUnsupported": "these two GPUs cannot access each other's memory",
+    "cudaErrorNotSupported": "CUDA IPC is not supported on this platform (WSL, or an old driver)",
+    "cudaErrorInvalidValue": "the handle does not describe memory the driver knows",
+    "cudaErrorInvalidDevice": "the GPU named by the handle is not usable here",
+    "cudaErrorIllegalAddress": "a kernel touched memory it may not; the CUDA context is lost",
+}
+
+
+def _cuda_error_name(exc: BaseException) -> str:
+    return str(exc).split(":", 1)[0].strip()
+
+
+def call(what: str, fn: Callable[..., T], *args: Any, error: type[IpcError] = IpcError) -> T:
+    """Run a CUDA runtime call; raise ``error`` with the CUDA name and a hint.
+
+    Example:
+        >>> call("adding", lambda a, b: a + b, 1, 2)
+        3
+    """
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    try:
+        return fn(*args)
+    except CUDARuntimeError as e:
+        name = _cuda_error_name(e)
+        hint = _HINTS.get(name)
+        raise error(f"{what} failed: {e}" + (f" ({hint})" if hint else ""), cuda_error=name) from e
+
+
+@contextlib.contextmanager
+def using_device(ordinal: int) -> Iterator[None]:
+    """Make ``ordinal`` the current device, restoring the previous one after."""
+    from cupy.cuda import runtime
+
+    previous = runtime.getDevice()
+    if previous == ordinal:
+        yield
+        return
+    runtime.setDevice(ordinal)
+    try:
+        yield
+    finally:
+        runtime.setDevice(previous)
+
+
+def unavailable_reason() -> str | None:
+    """One line saying why CUDA cannot be used here, or ``None`` if it can.
+
+    Example:
+        >>> reason = unavailable_reason()
+        >>> reason is None or isinstance(reason, str)
+        True
+    """
+    try:
+        import cupy
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    except ImportError as e:
+        return f"CuPy is not installed ({e}); install cupy_ipc with the cuda12 or cuda13 extra"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except CUDARuntimeError as e:
+        return f"no usable CUDA GPU or driver: {e}"
+    if count == 0:
+        return "no CUDA GPU is visible to this process"
+    try:
+        _driver()
+    except Exception as e:  # cuda-bindings raises a non-CUDA error when libcuda is missing
+        return f"the CUDA driver library cannot be used through cuda-bindings: {e}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError:  # cuda-python before 12.6 names the module differently
+        from cuda import cuda as driver  # type: ignore[no-redef]
+    (err,) = driver.cuInit(0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise IpcError(f"cuInit failed: {err!r}", cuda_error=str(err))
+    return driver
+
+
+def device_count() -> int:
+    from cupy.cuda import runtime
+
+    return call("counting GPUs", runtime.getDeviceCount)
+
+
+@functools.lru_cache(maxsize=None)
+def device_uuid(ordinal: int) -> bytes:
+    """The 16-byte UUID of a local device ordinal."""
+    from cupy.cuda import runtime
+
+    props = call("reading device properties", runtime.getDeviceProperties, ordinal)
+    return bytes(props["uuid"])[:16]
+
+
+_ordinals: dict[bytes, int] = {}
+
+
+def ordinal_of_uuid(uuid: bytes) -> int:
+    """The local ordinal of the GPU with this UUID.
+
+    Raises:
+        HandleError: No GPU visible to this process has that UUID.
+    """
+    ordinal = _ordinals.get(uuid)
+    if ordinal is not None:
+        return ordinal
+    for i in range(device_count()):
+        if device_uuid(i) == uuid:
+            _ordinals[uuid] = i
+            return i
+    raise HandleError(
+        f"the GPU with UUID GPU-{_uuid_text(uuid)} is not visible to this process "
+        "(check CUDA_VISIBLE_DEVICES)"
+    )
+
+
+def _uuid_text(uuid: bytes) -> str:
+    import uuid as uuidlib
+
+    return str(uuidlib.UUID(bytes=bytes(uuid)))
+
+
+class PointerInfo(NamedTuple):
+    """What the driver knows about the allocation behind a device pointer."""
+
+    base: int
+    size: int
+    device: int
+    buffer_id: int
+    memory_type: str  # "device", "host", "managed", "unknown"
+    legacy_ipc: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _attributes() -> tuple[Any, ...]:
+    a = _driver().CUpointer_attribute
+    return (
+        a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        a.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        a.CU_POINTER_ATTRIBUTE_BUFFER_ID,
+        a.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        a.CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        a.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+    )
+
+
+def pointer_info(ptr: int) -> PointerInfo:
+    """Base, size, device and kind of the allocation that holds ``ptr``.
+
+    One driver call (``cuPointerGetAttributes``); a pointer the driver does
+    not know comes back with ``size == 0``.
+    """
+    driver = _driver()
+    attrs = _attributes()
+    err, values = driver.cuPointerGetAttributes(len(attrs), attrs, ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise IpcError(f"cuPointerGetAttributes failed for 0x{ptr:x}: {err!r}", cuda_error=str(err))
+    base, size, device, buffer_id, mtype, managed, legacy = values
+    mtype = int(mtype)
+    if managed:
+        kind = "managed"
+    elif mtype == int(driver.CUmemorytype.CU_MEMORYTYPE_DEVICE):
+        kind = "device"
+    elif mtype == int(driver.CUmemorytype.CU_MEMORYTYPE_HOST):
+        kind = "host"
+    else:
+        kind = "unknown"
+    return PointerInfo(int(base), int(size), int(device), int(buffer_id), kind, bool(legacy))
+
+
+def stream_idle(ptr: int) -> bool:
+    """True when every piece of work queued on the stream has finished (``cudaStreamQuery``)."""
+    from cupy.cuda import runtime
+
+    return call("querying a stream", runtime.streamQuery, ptr) == 0
+
+
+def stream_ptr(stream: Any) -> int:
+    """The raw handle of a CuPy stream, of an object with ``__cuda_stream__``, or the current one."""
+    if stream is None:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if hasattr(stream, "ptr"):
+        return int(stream.ptr)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    if hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        return int(stream.cuda_stream)
+    raise TypeError(f"not a CUDA stream: {stream!r}")
+
+
+class _StreamProtocol:
+    __slots__ = ("_ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self._ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._ptr)
+
+
+def as_cupy_stream(stream: Any) -> Any:
+    """A ``cupy.cuda.Stream`` for ``stream``: CuPy's, foreign (PyTorch, cuda.core), or the current one."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.stream._BaseStream):
+        return stream
+    ptr = stream_ptr(stream)
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        s = cupy.cuda.Stream.from_external(_StreamProtocol(ptr))
+    else:  # CuPy 13
+        s = cupy.cuda.ExternalStream(ptr)
+    s._cupy_ipc_source = stream  # keep the foreign stream alive as long as ours
+    return s

@@ -1,0 +1,298 @@
+"""Interprocess CUDA events: :class:`IpcEvent` and its picklable :class:`IpcEventHandle`."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+import weakref
+from typing import Any
+
+from . import _cuda, _segment
+from ._errors import ClosedError, HandleError
+from ._identity import Producer, this_process
+from ._wire import DeviceId, EventFields, pack_event, unpack_event
+
+__all__ = ["IpcEvent", "IpcEventHandle", "open_cached"]
+
+# Events this process created and shared, by raw CUDA handle: unpickling or
+# opening one of them here gives back the original object.
+_own: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictionary()
+
+
+def _destroy(ptr: int, device: int) -> None:
+    from cupy.cuda import runtime
+
+    try:
+        with _cuda.using_device(device):
+            runtime.eventDestroy(ptr)
+    except Exception as e:  # on the destructor path: never raise
+        warnings.warn(f"cupy_ipc could not destroy CUDA event 0x{ptr:x}: {e}", RuntimeWarning, stacklevel=2)
+
+
+class IpcEvent:
+    """A CUDA event that other processes can wait on.
+
+    Timing is disabled, as CUDA requires for interprocess events. An event
+    opened from a handle is destroyed when closed or garbage-collected.
+
+    Args:
+        block: Make :meth:`synchronize` sleep instead of spinning
+            (``cudaEventBlockingSync``).
+
+    Example:
+        >>> import cupy
+        >>> ev = IpcEvent()                               # doctest: +SKIP
+        >>> ev.record()                                   # doctest: +SKIP
+        >>> cupy.cuda.get_current_stream().wait_event(ev) # doctest: +SKIP
+        >>> data = ev.get_ipc_handle().to_bytes()         # send to a consumer # doctest: +SKIP
+        >>> ev.close()                                    # doctest: +SKIP
+    """
+
+    __slots__ = ("_ptr", "_device", "_block", "_handle", "_opened", "_finalizer", "__weakref__")
+
+    def __init__(self, *, block: bool = False) -> None:
+        from cupy.cuda import runtime
+
+        flags = runtime.eventInterprocess | runtime.eventDisableTiming
+        if block:
+            flags |= runtime.eventBlockingSync
+        device = _cuda.call("reading the current device", runtime.getDevice)
+        ptr = _cuda.call("creating an interprocess event", runtime.eventCreateWithFlags, flags)
+        self._adopt(ptr, device, block, None, opened=False)
+
+    @classmethod
+    def _from_handle(cls, handle: "IpcEventHandle", ptr: int, device: int) -> "IpcEvent":
+        ev = cls.__new__(cls)
+        ev._adopt(ptr, device, handle.block, handle, opened=True)
+        return ev
+
+    def _adopt(self, ptr: int, device: int, block: bool, handle: "IpcEventHandle | None", *, opened: bool) -> None:
+        self._ptr = ptr
+        self._device = device
+        self._block = block
+        self._handle = handle
+        self._opened = opened
+        self._finalizer = weakref.finalize(self, _destroy, ptr, device)
+        self._finalizer.atexit = False  # the driver frees everything at exit
+
+    @property
+    def ptr(self) -> int:
+        """The raw ``cudaEvent_t``, for ``cupy.cuda.Stream.wait_event``."""
+        if not self._finalizer.alive:
+            raise ClosedError("this IpcEvent is closed")
+        return self._ptr
+
+    @property
+    def device(self) -> int:
+        """Ordinal of the GPU the event belongs to, in this process."""
+        return self._device
+
+    @property
+    def block(self) -> bool:
+        return self._block
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def opened(self) -> bool:
+        """True for an event opened from a handle; False for one created here."""
+        return self._opened
+
+    def record(self, stream: Any = None) -> None:
+        """Record the event on ``stream`` (default: the current stream)."""
+        from cupy.cuda import runtime
+
+        _cuda.call("recording an event", runtime.eventRecord, self.ptr, _cuda.stream_ptr(stream))
+
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: current) wait for the event on the GPU; the host does not block."""
+        from cupy.cuda import runtime
+
+        _cuda.call("waiting on an event", runtime.streamWaitEvent, _cuda.stream_ptr(stream), self.ptr, 0)
+
+    def synchronize(self) -> None:
+        """Block the host until the work captured by the last record has finished."""
+        from cupy.cuda import runtime
+
+        _cuda.call("synchronizing an event", runtime.eventSynchronize, self.ptr)
+
+    def query(self) -> bool:
+        """True when the work captured by the last record has finished."""
+        from cupy.cuda import runtime
+
+        return _cuda.call("querying an event", runtime.eventQuery, self.ptr) == 0
+
+    def get_ipc_handle(self) -> "IpcEventHandle":
+        """The handle another process opens this event with."""
+        ptr = self.ptr
+        if self._handle is None:
+            from cupy.cuda import runtime
+
+            raw = _cuda.call("exporting an event", runtime.ipcGetEventHandle, ptr)
+            me = this_process()
+            _segment.own_segment(me.token)  # lets consumers tell that we are alive
+            self._handle = IpcEventHandle._make(
+                EventFields(bytes(raw), self._block, DeviceId(self._device, _cuda.device_uuid(self._device)), me)
+            )
+            _own[self._handle.event_handle] = self
+        return self._handle
+
+    def close(self) -> None:
+        """Destroy the event. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "IpcEvent":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_open_event, (self.get_ipc_handle().to_bytes(),))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"ptr=0x{self._ptr:x}"
+        origin = "opened" if self._opened else "created"
+        return f"<IpcEvent {state} device={self._device} {origin}>"
+
+
+def _open_event(data: bytes) -> IpcEvent:
+    return IpcEventHandle.from_bytes(data).open()
+
+
+class IpcEventHandle:
+    """A picklable value that names an :class:`IpcEvent` of some process.
+
+    Example:
+        >>> from cupy_ipc import IpcEventHandle
+        >>> IpcEventHandle.from_bytes(b"CIPE")
+        Traceback (most recent call last):
+        ...
+        cupy_ipc._errors.HandleError: event handle is 4 bytes; at least 164 expected
+    """
+
+    __slots__ = ("_f",)
+
+    @classmethod
+    def _make(cls, fields: EventFields) -> "IpcEventHandle":
+        h = cls.__new__(cls)
+        object.__setattr__(h, "_f", fields)
+        return h
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("IpcEventHandle is immutable")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "IpcEventHandle":
+        """Parse and validate the output of :meth:`to_bytes`.
+
+        Raises:
+            HandleError: The bytes are not a valid event handle.
+        """
+        return cls._make(unpack_event(data))
+
+    def to_bytes(self) -> bytes:
+        return pack_event(self._f)
+
+    @property
+    def event_handle(self) -> bytes:
+        return self._f.event_handle
+
+    @property
+    def block(self) -> bool:
+        return self._f.block
+
+    @property
+    def device(self) -> DeviceId:
+        return self._f.device
+
+    @property
+    def producer(self) -> Producer:
+        return self._f.producer
+
+    def open(self) -> IpcEvent:
+        """Open the event in this process.
+
+        In the process that created it, returns the original event.
+
+        Raises:
+            HandleError: The event is from another host or for a GPU this
+                process cannot see.
+            ProducerExitedError: The creating process has exited.
+            ClosedError: Opened in its own process after it was closed.
+        """
+        me = this_process()
+        if self._f.producer.token == me.token:
+            ev = _own.get(self._f.event_handle)
+            if ev is None or ev.closed:
+                raise ClosedError("this event was closed in the process that created it")
+            return ev
+        check_same_host(self._f.producer)
+        _segment.attach(self._f.producer.token, self._f.producer.pid)
+        from cupy.cuda import runtime
+
+        device = _cuda.ordinal_of_uuid(self._f.device.uuid)
+        with _cuda.using_device(device):
+            ptr = _cuda.call("opening an event handle", runtime.ipcOpenEventHandle, self._f.event_handle)
+        return IpcEvent._from_handle(self, ptr, device)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (IpcEventHandle.from_bytes, (self.to_bytes(),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, IpcEventHandle) and self._f == other._f
+
+    def __hash__(self) -> int:
+        return hash(self._f)
+
+    def __repr__(self) -> str:
+        p = self._f.producer
+        return f"<IpcEventHandle device={self._f.device.ordinal} producer=pid {p.pid}@{p.host}>"
+
+
+def check_same_host(producer: Producer) -> None:
+    """Raise :class:`HandleError` unless ``producer`` runs on this host (same kernel boot)."""
+    me = this_process()
+    if producer.boot_id != me.boot_id:
+        raise HandleError(
+            f"this handle comes from host {producer.host!r} (pid {producer.pid}); CUDA IPC works only "
+            f"between processes of one host, and this is {me.host!r}"
+        )
+
+
+# Events opened from other processes' handles, kept so that an event the
+# producer re-records for later exports is opened once per consumer.
+_OPEN_CACHE_SIZE = 256
+_opened: "collections.OrderedDict[tuple[bytes, bytes], IpcEvent]" = collections.OrderedDict()
+_opened_lock = threading.Lock()
+
+
+def open_cached(event_handle: bytes, device: int, producer: Producer) -> IpcEvent:
+    """An opened event for a raw handle, from the consumer's cache when possible."""
+    key = (producer.token, event_handle)
+    with _opened_lock:
+        ev = _opened.get(key)
+        if ev is not None:
+            _opened.move_to_end(key)
+            return ev
+    from cupy.cuda import runtime
+
+    with _cuda.using_device(device):
+        ptr = _cuda.call("opening the producer's ordering event", runtime.ipcOpenEventHandle, event_handle)
+    ev = IpcEvent.__new__(IpcEvent)
+    ev._adopt(ptr, device, False, None, opened=True)
+    with _opened_lock:
+        _opened[key] = ev
+        while len(_opened) > _OPEN_CACHE_SIZE:
+            _opened.popitem(last=False)[1].close()
+    return ev
+
+
+def drop_cached(token: bytes | None = None) -> None:
+    """Destroy cached opened events (of one producer, or all)."""
+    with _opened_lock:
+        for key in [k for k in _opened if token is None or k[0] == token]:
+            _opened.pop(key).close()

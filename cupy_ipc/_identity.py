@@ -1,0 +1,61 @@
+"""Who and where this process is: producer identity carried by every handle."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import uuid
+from typing import NamedTuple
+
+__all__ = ["Producer", "this_process", "boot_id", "host_name"]
+
+_HOST_BYTES = 32
+
+
+class Producer(NamedTuple):
+    """Identity of the process that exported a handle.
+
+    ``token`` is random per process, so a recycled pid never matches;
+    ``boot_id`` is the kernel's, shared by every container on one host.
+
+    Example:
+        >>> me = this_process()
+        >>> me.pid == os.getpid()
+        True
+    """
+
+    pid: int
+    token: bytes
+    boot_id: bytes
+    host: str
+
+
+def _read_boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return uuid.UUID(f.read().strip()).bytes
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def host_name() -> str:
+    """This host's name, cut to the width the wire format keeps."""
+    return socket.gethostname().encode()[:_HOST_BYTES].decode(errors="ignore")
+
+
+_BOOT_ID = _read_boot_id()
+_current: Producer | None = None
+
+
+def boot_id() -> bytes:
+    """The kernel's boot id (16 bytes); zeros where the platform has none."""
+    return _BOOT_ID
+
+
+def this_process() -> Producer:
+    """The identity of this process, fresh after a fork."""
+    global _current
+    if _current is None or _current.pid != os.getpid():
+        _current = Producer(os.getpid(), secrets.token_bytes(16), _BOOT_ID, host_name())
+    return _current

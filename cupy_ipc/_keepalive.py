@@ -1,0 +1,202 @@
+"""The producer's registry of exported memory that must stay alive.
+
+Every export with ``keepalive`` or ``sync`` on takes a slot in this process's
+segment (see ``_segment``) and a *pin* here holding the exported array (so
+CuPy's pool cannot hand its memory out again) and the ordering event. A pin
+ends when
+
+- ``consumers`` processes have opened the export, or it was revoked (by
+  :meth:`IpcArrayHandle.release` or by its lease running out), and
+- no consumer still holds the slot's in-use lock, which a consumer keeps until
+  the GPU work it queued on the memory has finished.
+
+The registry is swept on each export and on :func:`collect`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Any, NamedTuple
+
+from . import _cuda, _segment
+from ._events import IpcEvent
+from ._identity import this_process
+from ._segment import FREE, PINNED, REVOKED, WRITE, in_use, mutex
+
+__all__ = ["PinInfo", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
+
+
+class PinInfo(NamedTuple):
+    """One export the producer keeps alive, as :func:`cupy_ipc.pinned` reports it."""
+
+    export_id: int
+    nbytes: int
+    device: int
+    consumers: int
+    opens: int
+    age_s: float
+    lease_left_s: float | None
+    revoked: bool
+    description: str
+
+
+class _Pin:
+    __slots__ = ("export_id", "slot", "keep", "nbytes", "device", "consumers", "deadline",
+                 "event", "revoked", "created", "description")
+
+    def __init__(self, export_id: int, slot: int, keep: Any, nbytes: int, device: int,
+                 consumers: int, deadline: float | None, event: IpcEvent | None, description: Any) -> None:
+        self.export_id = export_id
+        self.slot = slot
+        self.keep = keep
+        self.nbytes = nbytes
+        self.device = device
+        self.consumers = consumers
+        self.deadline = deadline
+        self.event = event
+        self.revoked = False
+        self.created = time.monotonic()
+        self.description = description
+
+
+_lock = threading.RLock()
+_pins: dict[int, _Pin] = {}
+_free_slots: list[int] = []
+_slot_counter = itertools.count()
+_export_ids = itertools.count(1)
+_event_pool: dict[int, list[IpcEvent]] = {}
+
+
+def _segment_here() -> _segment.Segment:
+    return _segment.own_segment(this_process().token)
+
+
+def _take_event(device: int) -> IpcEvent:
+    pool = _event_pool.setdefault(device, [])
+    return pool.pop() if pool else IpcEvent()
+
+
+def pin(keep: Any, *, nbytes: int, device: int, consumers: int, lease: float | None,
+        stream_ptr: int | None, description: Any) -> tuple[int, int, bytes | None]:
+    """Register an export; returns ``(export_id, slot, event handle or None)``.
+
+    ``keep`` is held until the pin ends. ``stream_ptr``, when given, is where
+    the ordering event is recorded (the current device must be ``device``);
+    a stream with no work left needs no event, and gets none.
+    """
+    seg = _segment_here()
+    with _lock:
+        sweep()
+        event = None
+        if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
+            event = _take_event(device)
+            from cupy.cuda import runtime
+
+            _cuda.call("recording the ordering event", runtime.eventRecord, event.ptr, stream_ptr)
+        slot = _free_slots.pop() if _free_slots else next(_slot_counter)
+        export_id = next(_export_ids)
+        seg.write(slot, export_id, PINNED)
+        deadline = None if lease is None else time.monotonic() + lease
+        _pins[export_id] = _Pin(export_id, slot, keep, nbytes, device, consumers, deadline, event, description)
+    return export_id, slot, (event.get_ipc_handle().event_handle if event is not None else None)
+
+
+def lookup(export_id: int) -> Any:
+    """The object pinned for an export of this process, or ``None``."""
+    p = _pins.get(export_id)
+    return None if p is None else p.keep
+
+
+def _revoke(seg: _segment.Segment, p: _Pin) -> None:
+    seg.lock(mutex(p.slot), WRITE)
+    try:
+        export_id, opens, _ = seg.read(p.slot)
+        seg.write(p.slot, export_id, REVOKED, opens)
+    finally:
+        seg.unlock(mutex(p.slot))
+    p.revoked = True
+
+
+def _try_free(seg: _segment.Segment, p: _Pin) -> bool:
+    if not seg.lock(in_use(p.slot), WRITE, wait=False):
+        return False  # a consumer still uses it
+    try:
+        seg.write(p.slot, 0, FREE)
+    finally:
+        seg.unlock(in_use(p.slot))
+    del _pins[p.export_id]
+    _free_slots.append(p.slot)
+    if p.event is not None:
+        _event_pool.setdefault(p.device, []).append(p.event)
+    p.keep = None
+    return True
+
+
+def sweep() -> int:
+    """End every pin whose consumers are done; returns how many ended."""
+    if not _pins:
+        return 0
+    seg = _segment_here()
+    now = time.monotonic()
+    ended = 0
+    with _lock:
+        pins = list(_pins.values())
+        for p, opens in zip(pins, seg.read_opens([p.slot for p in pins])):
+            if not p.revoked and p.deadline is not None and now >= p.deadline:
+                _revoke(seg, p)
+            if p.revoked or opens >= p.consumers:
+                ended += _try_free(seg, p)
+    return ended
+
+
+def release(export_id: int) -> bool:
+    """Stop new opens of an export and end its pin once current consumers are done.
+
+    Returns True if the export was still pinned.
+    """
+    with _lock:
+        p = _pins.get(export_id)
+        if p is None:
+            return False
+        seg = _segment_here()
+        if not p.revoked:
+            _revoke(seg, p)
+        _try_free(seg, p)
+        return True
+
+
+def pinned() -> list[PinInfo]:
+    """What this process keeps alive for consumers, after a sweep."""
+    sweep()
+    now = time.monotonic()
+    with _lock:
+        seg = _segment_here() if _pins else None
+        return [
+            PinInfo(p.export_id, p.nbytes, p.device, p.consumers, seg.read(p.slot)[1] if seg else 0,
+                    now - p.created, None if p.deadline is None else max(0.0, p.deadline - now),
+                    p.revoked, "{} {}".format(*p.description))
+            for p in _pins.values()
+        ]
+
+
+def reset() -> None:
+    """Forget every pin (in a forked child, whose parent owns them)."""
+    with _lock:
+        _pins.clear()
+        _free_slots.clear()
+        _event_pool.clear()
+        global _slot_counter
+        _slot_counter = itertools.count()
+
+
+os.register_at_fork(after_in_child=reset)
+
+
+def wait_own_event(export_id: int, stream: Any) -> None:
+    """In the exporting process: make ``stream`` wait on an export's ordering event."""
+    p = _pins.get(export_id)
+    if p is not None and p.event is not None:
+        p.event.wait(stream)

@@ -1,0 +1,308 @@
+"""The consumer's side: one mapping per allocation, claims on producers' slots.
+
+A *mapping* is one ``cudaIpcOpenMemHandle`` of an allocation (or, in the
+exporting process, the producer's own pointer). Every array returned by
+``open()`` is backed by a ``cupy.cuda.UnownedMemory`` whose owner is a
+:class:`Lease`; when the last array or view using it is garbage-collected,
+the lease is released:
+
+1. if the stream the array was opened on still has work queued, an event is
+   recorded there and a background thread waits for it;
+2. then the mapping
+   loses a user and the producer's slot loses a claim; a claim's last
+   release drops the in-use lock, which lets the producer reuse the memory;
+3. a mapping with no users is kept idle for re-opening (up to
+   :func:`set_idle_mapping_limit`) and unmapped when evicted or collected.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import queue
+import threading
+import warnings
+from typing import Any
+
+from . import _cuda, _segment
+from ._errors import HandleError, IpcError
+
+__all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts"]
+
+
+class _Mapping:
+    __slots__ = ("key", "ptr", "size", "device", "users", "imported")
+
+    def __init__(self, key: tuple[Any, ...], ptr: int, size: int, device: int, imported: bool) -> None:
+        self.key = key
+        self.ptr = ptr
+        self.size = size
+        self.device = device
+        self.users = 0
+        self.imported = imported
+
+    def unmap(self) -> None:
+        if not self.imported:
+            return
+        from cupy.cuda import runtime
+
+        try:
+            with _cuda.using_device(self.device):
+                runtime.ipcCloseMemHandle(self.ptr)
+        except Exception as e:  # destructor path: warn, never raise
+            warnings.warn(f"cupy_ipc could not unmap 0x{self.ptr:x}: {e}", RuntimeWarning, stacklevel=2)
+
+
+class _Claim:
+    __slots__ = ("seg", "slot", "count")
+
+    def __init__(self, seg: _segment.Segment, slot: int) -> None:
+        self.seg = seg
+        self.slot = slot
+        self.count = 0
+
+
+_lock = threading.RLock()
+_active: dict[tuple[Any, ...], _Mapping] = {}
+_idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.OrderedDict()
+_idle_limit = 16
+_claims: dict[tuple[bytes, int], _Claim] = {}
+
+
+def set_idle_mapping_limit(n: int) -> int:
+    """Keep at most ``n`` unused mappings for re-opening; returns the old limit.
+
+    A re-sent buffer whose mapping is idle opens without a CUDA IPC call.
+    ``0`` unmaps as soon as the last array using a mapping is gone.
+
+    Example:
+        >>> old = set_idle_mapping_limit(0)
+        >>> set_idle_mapping_limit(old)
+        0
+    """
+    global _idle_limit
+    if n < 0:
+        raise ValueError("the idle mapping limit must not be negative")
+    with _lock:
+        old, _idle_limit = _idle_limit, n
+        _trim_idle()
+    return old
+
+
+def _trim_idle() -> None:
+    while len(_idle) > _idle_limit:
+        _idle.popitem(last=False)[1].unmap()
+
+
+def collect_idle() -> int:
+    """Unmap every idle mapping; returns how many."""
+    with _lock:
+        n = len(_idle)
+        while _idle:
+            _idle.popitem(last=False)[1].unmap()
+    return n
+
+
+def counts() -> dict[str, int]:
+    """Sizes of the consumer tables (mappings in use, idle, claims held)."""
+    with _lock:
+        return {"mapped": len(_active), "idle": len(_idle), "claims": len(_claims)}
+
+
+# --- claims on a producer's slot --------------------------------------------
+def _claim(seg: _segment.Segment, token: bytes, pid: int, export_id: int, slot: int) -> tuple[bytes, int]:
+    """Hold an export's in-use lock (once per process) and count our open."""
+    key = (token, export_id)
+    with _lock:
+        c = _claims.get(key)
+        if c is not None:
+            c.count += 1
+            return key
+        seg.lock(_segment.in_use(slot), _segment.READ)
+        try:
+            seg.lock(_segment.mutex(slot), _segment.WRITE)
+            try:
+                seen, opens, state = seg.read(slot)
+                if seen != export_id or state != _segment.PINNED:
+                    raise IpcError(
+                        f"the producer (pid {pid}) no longer shares this memory: its lease ran out, "
+                        "it called release(), or as many consumers as it allowed have opened it"
+                    )
+                seg.write(slot, export_id, state, opens + 1)
+            finally:
+                seg.unlock(_segment.mutex(slot))
+        except BaseException:
+            seg.unlock(_segment.in_use(slot))
+            raise
+        c = _claims[key] = _Claim(seg, slot)
+        c.count = 1
+        return key
+
+
+def _unclaim(key: tuple[bytes, int] | None) -> None:
+    if key is None:
+        return
+    c = _claims.get(key)
+    if c is None:
+        return
+    c.count -= 1
+    if c.count == 0:
+        del _claims[key]
+        if c.seg.fd >= 0:
+            c.seg.unlock(_segment.in_use(c.slot))
+
+
+# --- mappings ----------------------------------------------------------------
+def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
+         own_ptr: int | None) -> _Mapping:
+    m = _active.get(key) or _idle.pop(key, None)
+    if m is None:
+        if own_ptr is not None:
+            m = _Mapping(key, own_ptr, allocation_size, device, imported=False)
+        else:
+            m = _import(key, device, memory_handle, allocation_size)
+    _active[key] = m
+    m.users += 1
+    return m
+
+
+def _import(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int) -> _Mapping:
+    from cupy.cuda import runtime
+
+    with _cuda.using_device(device):
+        ptr = _cuda.call(
+            "opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
+            runtime.cudaIpcMemLazyEnablePeerAccess,
+        )
+    m = _Mapping(key, ptr, allocation_size, device, imported=True)
+    info = _cuda.pointer_info(ptr)
+    if info.base != ptr or info.size < allocation_size:
+        m.unmap()
+        raise HandleError(
+            f"the handle claims a {allocation_size}-byte allocation but the driver mapped "
+            f"{info.size} bytes: the handle is forged or corrupt"
+        )
+    return m
+
+
+def _drop_user(key: tuple[Any, ...]) -> None:
+    m = _active.get(key)
+    if m is None:
+        return
+    m.users -= 1
+    if m.users == 0:
+        del _active[key]
+        if _idle_limit:
+            _idle[key] = m
+            _trim_idle()
+        else:
+            m.unmap()
+
+
+# --- leases -------------------------------------------------------------------
+_exiting = False
+
+
+def _at_exit() -> None:
+    # At exit the driver unmaps everything and the kernel drops the locks.
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_at_exit)
+
+
+class Lease:
+    """Owner of the ``UnownedMemory`` behind opened arrays; released when they are all gone."""
+
+    __slots__ = ("keep", "mapping_key", "claim_key", "stream", "device")
+
+    def __init__(self, keep: Any, mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None,
+                 stream: Any, device: int) -> None:
+        self.keep = keep  # the producer's own array, when opened in its own process
+        self.mapping_key = mapping_key
+        self.claim_key = claim_key
+        self.stream = stream  # where the consumer's work on the memory is ordered
+        self.device = device
+
+    def __del__(self) -> None:
+        if not _exiting:
+            _release(self.mapping_key, self.claim_key, self.stream, self.device)
+
+
+def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> None:
+    with _lock:
+        _drop_user(mapping_key)
+        _unclaim(claim_key)
+
+
+def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int) -> None:
+    try:
+        if _cuda.stream_idle(stream.ptr):  # the consumer's work on the memory is done
+            _finish(mapping_key, claim_key)
+            return
+        import cupy
+
+        with _cuda.using_device(device):
+            done = cupy.cuda.Event(block=True, disable_timing=True)
+            done.record(stream)
+    except Exception as e:  # destructor path: keep the memory pinned rather than raise
+        warnings.warn(f"cupy_ipc could not order the release of a mapping: {e}", RuntimeWarning, stacklevel=2)
+        return
+    _reaper().put((done, device, mapping_key, claim_key))
+
+
+_queue: "queue.SimpleQueue[Any] | None" = None
+
+
+def _reaper() -> "queue.SimpleQueue[Any]":
+    # Waits for consumers' GPU work on released mappings without blocking them.
+    global _queue
+    with _lock:
+        if _queue is None:
+            _queue = queue.SimpleQueue()
+            threading.Thread(target=_reap, args=(_queue,), name="cupy_ipc-reaper", daemon=True).start()
+    return _queue
+
+
+def _reap(q: "queue.SimpleQueue[Any]") -> None:
+    from cupy.cuda import runtime
+
+    while True:
+        done, device, mapping_key, claim_key = q.get()
+        try:
+            runtime.setDevice(device)
+            done.synchronize()
+        except Exception as e:
+            warnings.warn(f"cupy_ipc: waiting for a consumer's work failed: {e}", RuntimeWarning, stacklevel=1)
+        _finish(mapping_key, claim_key)
+
+
+def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
+            own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
+            producer_pid: int, export_id: int, slot: int, stream: Any) -> tuple[int, Lease]:
+    """Claim the export, map its allocation; returns ``(pointer, lease)``.
+
+    ``segment`` is the producer's (already checked alive). The lease must own
+    the memory built on the pointer; ``stream`` is where the release is ordered.
+    """
+    with _lock:
+        claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
+        try:
+            m = _map(key, device, memory_handle, allocation_size, own_ptr)
+        except BaseException:
+            _unclaim(claim_key)
+            raise
+    return m.ptr, Lease(keep, key, claim_key, stream, device)
+
+
+def forget_after_fork() -> None:
+    global _queue
+    _active.clear()
+    _idle.clear()
+    _claims.clear()
+    _queue = None
+
+
+os.register_at_fork(after_in_child=forget_after_fork)

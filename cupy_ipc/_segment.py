@@ -1,0 +1,198 @@
+"""The small shared file through which consumers tell a producer what they hold.
+
+One file per producer process, named after its random token, in ``/dev/shm``
+(or the temporary directory where that is missing). It holds one 16-byte
+record per export slot: ``export_id`` (u64), ``opens`` (u32), ``state`` (u32).
+
+Liveness and "still in use" are open-file-description locks (Linux
+``F_OFD_SETLK``), never counters alone, because the kernel drops a lock when
+its holder dies: a consumer killed mid-read cannot leave memory pinned, and a
+producer killed with SIGKILL is seen as gone at once.
+
+- the producer holds a read lock on :data:`ALIVE` for its whole life;
+- a consumer holds a read lock on ``in_use(slot)`` from open until its GPU work
+  on the memory has finished; the producer frees a slot only when it can take
+  a write lock there;
+- ``mutex(slot)`` serialises the read-modify-write of a record.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import os
+import struct
+import tempfile
+
+from ._errors import IpcError, ProducerExitedError
+
+__all__ = ["Segment", "attach", "own_segment", "segment_path", "FREE", "PINNED", "REVOKED", "READ", "WRITE"]
+
+FREE, PINNED, REVOKED = 0, 1, 2
+
+_RECORD = struct.Struct("<QII")
+_DATA_START = 64
+_LOCK_BASE = 1 << 40  # lock bytes live far past the data; locks need no backing bytes
+ALIVE = _LOCK_BASE
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
+READ, WRITE, _UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
+_OFD = hasattr(fcntl, "F_OFD_SETLK")
+
+
+def _dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def segment_path(token: bytes) -> str:
+    """Where the producer with ``token`` keeps its segment."""
+    return os.path.join(_dir(), f"cupy_ipc-{token.hex()}")
+
+
+def in_use(slot: int) -> int:
+    return _LOCK_BASE + 1 + 2 * slot
+
+
+def mutex(slot: int) -> int:
+    return _LOCK_BASE + 2 + 2 * slot
+
+
+class Segment:
+    """An open segment file: the producer's own, or a consumer's view of one.
+
+    Example:
+        >>> import secrets
+        >>> token = secrets.token_bytes(16)
+        >>> seg = Segment.create(token)
+        >>> seg.write(0, 7, PINNED)
+        >>> seg.read(0)
+        (7, 0, 1)
+        >>> Segment.attach(token, pid=os.getpid()).producer_alive()
+        True
+        >>> seg.close(unlink=True)
+    """
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+
+    @classmethod
+    def create(cls, token: bytes) -> "Segment":
+        if not _OFD:
+            raise IpcError("cupy_ipc needs Linux open-file-description locks (F_OFD_SETLK)")
+        path = segment_path(token)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        seg = cls(fd, path)
+        seg.lock(ALIVE, READ)
+        return seg
+
+    @classmethod
+    def attach(cls, token: bytes, *, pid: int) -> "Segment":
+        """Open another process's segment.
+
+        Raises:
+            ProducerExitedError: The producer has exited (its segment is gone).
+        """
+        path = segment_path(token)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ProducerExitedError(
+                f"the producer process (pid {pid}) has exited: its segment {path} is gone", pid=pid
+            ) from None
+        return cls(fd, path)
+
+    def close(self, *, unlink: bool = False) -> None:
+        if self.fd < 0:
+            return
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self.fd)
+        self.fd = -1
+
+    # --- locks -------------------------------------------------------------
+    def lock(self, offset: int, kind: int, *, wait: bool = True) -> bool:
+        """Take (or with ``F_UNLCK`` drop) a one-byte lock; False if ``wait`` is off and it is held."""
+        cmd = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+        try:
+            fcntl.fcntl(self.fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
+        except (BlockingIOError, PermissionError):
+            return False
+        return True
+
+    def unlock(self, offset: int) -> None:
+        self.lock(offset, _UNLOCK)
+
+    def held_by_other(self, offset: int) -> bool:
+        """Whether another open file holds a lock that conflicts with a write lock here."""
+        got = fcntl.fcntl(self.fd, fcntl.F_OFD_GETLK, _FLOCK.pack(WRITE, os.SEEK_SET, offset, 1, 0))
+        return _FLOCK.unpack(got)[0] != _UNLOCK
+
+    def producer_alive(self) -> bool:
+        return self.held_by_other(ALIVE)
+
+    # --- records -----------------------------------------------------------
+    def read(self, slot: int) -> tuple[int, int, int]:
+        raw = os.pread(self.fd, _RECORD.size, _DATA_START + slot * _RECORD.size)
+        if len(raw) < _RECORD.size:
+            return 0, 0, FREE
+        return _RECORD.unpack(raw)
+
+    def read_opens(self, slots: list[int]) -> list[int]:
+        """The ``opens`` counts of several slots, with one read of the file."""
+        if not slots:
+            return []
+        raw = os.pread(self.fd, (max(slots) + 1) * _RECORD.size, _DATA_START)
+        return [
+            _RECORD.unpack_from(raw, s * _RECORD.size)[1] if (s + 1) * _RECORD.size <= len(raw) else 0
+            for s in slots
+        ]
+
+    def write(self, slot: int, export_id: int, state: int, opens: int = 0) -> None:
+        os.pwrite(self.fd, _RECORD.pack(export_id, opens, state), _DATA_START + slot * _RECORD.size)
+
+
+# --- this process's own segment, and the segments of producers it opened from ---
+_own: Segment | None = None
+_attached: dict[bytes, Segment] = {}
+
+
+def own_segment(token: bytes) -> Segment:
+    """This process's segment, created on first use and removed at exit."""
+    global _own
+    if _own is None:
+        _own = Segment.create(token)
+        atexit.register(_own.close, unlink=True)
+    return _own
+
+
+def attach(token: bytes, pid: int) -> Segment:
+    """The segment of a live producer, opened once per process.
+
+    Raises:
+        ProducerExitedError: The producer has exited; its stale file is removed.
+    """
+    seg = _attached.get(token)
+    if seg is None:
+        seg = _attached[token] = Segment.attach(token, pid=pid)
+    if not seg.producer_alive():
+        del _attached[token]
+        seg.close(unlink=True)
+        raise ProducerExitedError(f"the producer process (pid {pid}) has exited", pid=pid)
+    return seg
+
+
+def _forget_after_fork() -> None:
+    # The child shares the parent's open file descriptions: keeping them would
+    # make the parent look alive after it died. Closing our copies drops no lock.
+    global _own
+    for seg in [_own, *_attached.values()]:
+        if seg is not None:
+            os.close(seg.fd)
+    _own = None
+    _attached.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

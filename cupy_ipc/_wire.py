@@ -1,0 +1,295 @@
+"""The byte layout of handles, and every check made on one before CUDA sees it.
+
+All integers are little-endian. An array handle is a fixed 273-byte header
+followed by ``ndim`` signed 64-bit extents and ``ndim`` signed 64-bit strides;
+an event handle is a fixed 164-byte record. Both start with a 4-byte magic and
+a 2-byte format version. The README documents each field.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from ._errors import HandleError
+from ._identity import Producer
+
+__all__ = [
+    "ARRAY_HEADER",
+    "EVENT_RECORD",
+    "VERSION",
+    "ArrayFields",
+    "DeviceId",
+    "EventFields",
+    "Kind",
+    "byte_extent",
+    "pack_array",
+    "pack_event",
+    "unpack_array",
+    "unpack_event",
+    "validate_array",
+]
+
+VERSION = 1
+ARRAY_MAGIC = b"CIPA"
+EVENT_MAGIC = b"CIPE"
+MAX_NDIM = 64
+HANDLE_BYTES = 64
+
+FLAG_KEEPALIVE = 1  # the producer pins the memory; export_id/slot are valid
+FLAG_EVENT = 2  # event_handle holds the producer's ordering event
+
+
+class Kind:
+    """How the memory is shared: the ``kind`` byte of an array handle."""
+
+    LEGACY = 0  # cudaMalloc memory, cudaIpcGetMemHandle
+    EMPTY = 255  # a size-0 array: nothing to map
+
+    names = {LEGACY: "legacy", EMPTY: "empty"}
+
+
+_ARRAY = struct.Struct("<4sHBBB4s64sQQQQi16si16s16s32sQI64s")
+_EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
+_FLAGS = FLAG_KEEPALIVE | FLAG_EVENT
+_U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 31), (0, 1 << 32)
+_HOST_BYTES = 32
+ARRAY_HEADER = _ARRAY.size
+EVENT_RECORD = _EVENT.size
+
+# The dtypes CUDA kernels and CuPy handle natively: bool, integers, floats, complex.
+_DTYPES = {
+    np.dtype(t).str: np.dtype(t)
+    for t in (
+        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+        np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+        np.complex128,
+    )
+}
+
+
+class DeviceId(NamedTuple):
+    """A GPU as the producer saw it: its ordinal there and its UUID.
+
+    The consumer finds its own ordinal for the GPU by UUID, so processes with
+    different ``CUDA_VISIBLE_DEVICES`` agree.
+    """
+
+    ordinal: int
+    uuid: bytes
+
+
+class ArrayFields(NamedTuple):
+    kind: int
+    flags: int
+    dtype: np.dtype
+    memory_handle: bytes
+    offset: int
+    allocation_size: int
+    base_ptr: int
+    buffer_id: int
+    device: DeviceId
+    producer: Producer
+    export_id: int
+    slot: int
+    event_handle: bytes
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+class EventFields(NamedTuple):
+    event_handle: bytes
+    block: bool
+    device: DeviceId
+    producer: Producer
+
+
+def dtype_of(value: object) -> np.dtype:
+    """The dtype a handle may carry, or :class:`HandleError`."""
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # numpy deprecates some aliases: refuse them too
+            dt = np.dtype(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError, Warning) as e:
+        raise HandleError(f"not a dtype: {value!r}") from e
+    if dt.str not in _DTYPES:
+        raise HandleError(
+            f"dtype {dt} cannot be shared: only bool, integer, float and complex "
+            "dtypes in little-endian order are supported"
+        )
+    return _DTYPES[dt.str]
+
+
+def byte_extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """Lowest and one-past-highest byte the array reaches, relative to its first element.
+
+    Example:
+        >>> byte_extent((3,), (-8,), 8)   # a reversed view reaches backwards
+        (-16, 8)
+        >>> byte_extent((0, 5), (40, 8), 8)
+        (0, 0)
+    """
+    if any(n == 0 for n in shape):
+        return 0, 0
+    lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return lo, hi + itemsize
+
+
+def _in_range(what: str, value: int, bounds: tuple[int, int]) -> None:
+    if not bounds[0] <= value < bounds[1]:
+        raise HandleError(f"{what} {value} does not fit the wire format's field")
+
+
+def validate_origin(device: DeviceId, producer: Producer) -> None:
+    """Device and producer fields must be what the wire can hold, exactly."""
+    if len(device.uuid) != 16:
+        raise HandleError("device UUID must be 16 bytes")
+    if len(producer.token) != 16 or len(producer.boot_id) != 16:
+        raise HandleError("producer token and boot id must be 16 bytes each")
+    _in_range("device ordinal", device.ordinal, _I32)
+    _in_range("producer pid", producer.pid, _I32)
+    try:
+        host = producer.host.encode()
+    except UnicodeEncodeError:
+        raise HandleError(f"host name {producer.host!r} is not valid text") from None
+    if len(host) > _HOST_BYTES or host.endswith(b"\0"):
+        raise HandleError(f"host name {producer.host!r} must be at most {_HOST_BYTES} UTF-8 bytes, not ending in NUL")
+
+
+def validate_array(f: ArrayFields) -> None:
+    """Raise :class:`HandleError` unless the fields describe memory safely."""
+    if f.kind not in Kind.names:
+        raise HandleError(f"unknown memory kind {f.kind}")
+    if f.flags & ~_FLAGS:
+        raise HandleError(f"unknown flag bits 0x{f.flags & ~_FLAGS:x}")
+    if len(f.shape) != len(f.strides):
+        raise HandleError(f"shape has {len(f.shape)} dimensions but strides has {len(f.strides)}")
+    if len(f.shape) > MAX_NDIM:
+        raise HandleError(f"{len(f.shape)} dimensions; at most {MAX_NDIM} are allowed")
+    if any(n < 0 for n in f.shape):
+        raise HandleError(f"negative extent in shape {f.shape}")
+    if len(f.memory_handle) != HANDLE_BYTES or len(f.event_handle) != HANDLE_BYTES:
+        raise HandleError("memory and event handles must be 64 bytes")
+    validate_origin(f.device, f.producer)
+    if f.offset < 0 or f.allocation_size < 0:
+        raise HandleError("offset and allocation size must not be negative")
+    for what, value in (("offset", f.offset), ("allocation size", f.allocation_size), ("base address", f.base_ptr),
+                        ("buffer id", f.buffer_id), ("export id", f.export_id)):
+        _in_range(what, value, _U64)
+    _in_range("slot", f.slot, _U32)
+    for n in f.shape:
+        _in_range("extent", n, _I64)
+    for s in f.strides:
+        _in_range("stride", s, _I64)
+    if f.kind == Kind.EMPTY:
+        if 0 not in f.shape:
+            raise HandleError(f"an empty handle must have a size-0 shape, not {f.shape}")
+        return
+    if 0 in f.shape:
+        raise HandleError(f"shape {f.shape} has no elements, so the handle kind must be empty")
+    align = f.dtype.alignment
+    if f.offset % align or any(s % align for n, s in zip(f.shape, f.strides) if n > 1):
+        raise HandleError(
+            f"offset {f.offset} or strides {f.strides} are not aligned to the "
+            f"{align}-byte alignment of {f.dtype}"
+        )
+    lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
+    if f.offset + lo < 0 or f.offset + hi > f.allocation_size:
+        raise HandleError(
+            f"shape {f.shape} with strides {f.strides} at offset {f.offset} reaches bytes "
+            f"[{f.offset + lo}, {f.offset + hi}), outside the {f.allocation_size}-byte allocation"
+        )
+
+
+def _header(data: object, magic: bytes, what: str, minimum: int) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise HandleError(f"{what} must be bytes, not {type(data).__name__}")
+    try:
+        data = bytes(data)
+    except ValueError as e:  # a released memoryview
+        raise HandleError(f"{what} cannot be read: {e}") from None
+    if len(data) < minimum:
+        raise HandleError(f"{what} is {len(data)} bytes; at least {minimum} expected")
+    if data[:4] != magic:
+        raise HandleError(f"not a cupy_ipc {what} (magic {data[:4]!r}, expected {magic!r})")
+    (version,) = struct.unpack_from("<H", data, 4)
+    if version != VERSION:
+        raise HandleError(f"{what} format version {version}; this cupy_ipc reads version {VERSION}")
+    return data
+
+
+def _host(raw: bytes) -> str:
+    text = raw.rstrip(b"\0")
+    if b"\0" in text:
+        raise HandleError("host field has a NUL inside the name")
+    try:
+        return text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HandleError("host field is not valid UTF-8") from None
+
+
+def pack_array(f: ArrayFields) -> bytes:
+    ndim = len(f.shape)
+    head = _ARRAY.pack(
+        ARRAY_MAGIC, VERSION, f.kind, f.flags, ndim, f.dtype.str.encode(), f.memory_handle,
+        f.offset, f.allocation_size, f.base_ptr, f.buffer_id, f.device.ordinal, f.device.uuid,
+        f.producer.pid, f.producer.token, f.producer.boot_id, f.producer.host.encode()[:32],
+        f.export_id, f.slot, f.event_handle,
+    )
+    return head + struct.pack(f"<{2 * ndim}q", *f.shape, *f.strides)
+
+
+def unpack_array(data: object) -> ArrayFields:
+    """Parse and validate an array handle; only :class:`HandleError` escapes."""
+    raw = _header(data, ARRAY_MAGIC, "array handle", ARRAY_HEADER)
+    (_, _, kind, flags, ndim, dtype, mem, offset, size, base, buffer_id, ordinal, uuid, pid,
+     token, boot, host, export_id, slot, event) = _ARRAY.unpack_from(raw)
+    if ndim > MAX_NDIM:
+        raise HandleError(f"{ndim} dimensions; at most {MAX_NDIM} are allowed")
+    if len(raw) != ARRAY_HEADER + 16 * ndim:
+        raise HandleError(
+            f"array handle is {len(raw)} bytes; {ARRAY_HEADER + 16 * ndim} expected for {ndim} dimensions"
+        )
+    dims = struct.unpack_from(f"<{2 * ndim}q", raw, ARRAY_HEADER)
+    try:
+        dtype_text = dtype.rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError:
+        raise HandleError(f"dtype field {dtype!r} is not text") from None
+    dt = _DTYPES.get(dtype_text)
+    if dt is None:
+        # Only NumPy's canonical spelling (dtype.str) is written, so only it is read.
+        canonical = dtype_of(dtype_text).str  # raises first if it is no shareable dtype at all
+        raise HandleError(f"dtype field {dtype!r} is not written as NumPy's dtype.str {canonical!r}")
+    fields = ArrayFields(
+        kind, flags, dt, mem, offset, size, base, buffer_id,
+        DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)), export_id, slot,
+        event, tuple(dims[:ndim]), tuple(dims[ndim:]),
+    )
+    validate_array(fields)
+    return fields
+
+
+def pack_event(f: EventFields) -> bytes:
+    return _EVENT.pack(
+        EVENT_MAGIC, VERSION, int(f.block), 0, f.event_handle, f.device.ordinal, f.device.uuid,
+        f.producer.pid, f.producer.token, f.producer.boot_id, f.producer.host.encode()[:32], bytes(4),
+    )
+
+
+def unpack_event(data: object) -> EventFields:
+    """Parse and validate an event handle; only :class:`HandleError` escapes."""
+    raw = _header(data, EVENT_MAGIC, "event handle", EVENT_RECORD)
+    if len(raw) != EVENT_RECORD:
+        raise HandleError(f"event handle is {len(raw)} bytes; {EVENT_RECORD} expected")
+    _, _, block, reserved, handle, ordinal, uuid, pid, token, boot, host, pad = _EVENT.unpack(raw)
+    if block not in (0, 1):
+        raise HandleError(f"event flags byte {block} is not 0 or 1")
+    if reserved or pad != bytes(4):
+        raise HandleError("reserved bytes of the event handle are not zero")
+    return EventFields(handle, bool(block), DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)))

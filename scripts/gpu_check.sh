@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The whole GPU check, end to end, on a machine with an NVIDIA GPU:
+# install without touching the machine's CuPy, the gpu tests, the demo and a
+# short benchmark, then a summary. Logs go to $OUT (default /tmp/cupy_ipc-check).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/cupy_ipc-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+    echo "pip install -e failed (see install.log); using PYTHONPATH"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+nvidia-smi -L
+$PY -c "import cupy, cuda.bindings; print('cupy', cupy.__version__, 'cuda-bindings', cuda.bindings.__version__)"
+
+set -o pipefail
+$PY -m pytest -q -m "gpu or multi_gpu" --timeout 600 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log"
+gpu_rc=$?
+$PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log"
+cpu_rc=$?
+$PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
+demo_rc=$?
+$PY benchmarks/roundtrip.py --sizes ${BENCH_SIZES:-1MiB} --iters ${BENCH_ITERS:-1000} \
+    --json "$OUT/roundtrip.json" --markdown "$OUT/roundtrip.md" 2>&1 | tee "$OUT/bench.log"
+bench_rc=$?
+
+echo
+echo "===== cupy_ipc GPU check summary ====="
+echo "gpu tests: $(tail -n 1 "$OUT/gpu-tests.log")"
+echo "cpu tests: $(tail -n 1 "$OUT/cpu-tests.log")"
+echo "demo: exit $demo_rc; benchmark: exit $bench_rc"
+cat "$OUT/roundtrip.md" 2>/dev/null
+[ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $bench_rc -eq 0 ]

@@ -1,0 +1,72 @@
+"""GPU tests are skipped, with one printed reason, where no CUDA GPU is usable."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_skip_reason() -> str | None:
+    from cupy_ipc._cuda import unavailable_reason
+
+    return unavailable_reason()
+
+
+def gpu_count() -> int:
+    if gpu_skip_reason():
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    reason = gpu_skip_reason()
+    if reason:
+        return f"cupy_ipc: GPU tests skipped: {reason}"
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    return f"cupy_ipc: GPU tests run on {gpu_count()} GPU(s), device 0 is {props['name'].decode()}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gpu") or item.get_closest_marker("multi_gpu"):
+            reason = gpu_skip_reason()
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=f"no CUDA GPU: {reason}"))
+                continue
+        m = item.get_closest_marker("multi_gpu")
+        if m and gpu_count() < m.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"needs {m.args[0]} GPUs, {gpu_count()} visible"))
+
+
+@pytest.fixture
+def remote():
+    """Start helper processes (spawn) that run functions of ``workers`` on request."""
+    from workers import Remote
+
+    started: list[Remote] = []
+
+    def start() -> Remote:
+        r = Remote(multiprocessing.get_context("spawn"))
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def consumer():
+    """One consumer process shared by the tests of a module."""
+    from workers import Remote
+
+    r = Remote(multiprocessing.get_context("spawn"))
+    yield r
+    r.close()

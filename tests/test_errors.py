@@ -1,0 +1,101 @@
+"""The exception tree of cupy_ipc, and that every exception survives pickling."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import cupy_ipc
+from cupy_ipc import ClosedError, HandleError, IpcArrayHandle, IpcError, ProducerExitedError
+
+
+def test_ipc_error_is_a_runtime_error():
+    assert issubclass(IpcError, RuntimeError)
+    assert not issubclass(IpcError, ValueError)
+
+
+def test_handle_error_is_an_ipc_error_and_a_value_error():
+    assert issubclass(HandleError, IpcError)
+    assert issubclass(HandleError, ValueError)
+    assert issubclass(HandleError, RuntimeError)
+
+
+@pytest.mark.parametrize("cls", [ClosedError, ProducerExitedError])
+def test_other_errors_are_ipc_errors_only(cls):
+    assert issubclass(cls, IpcError)
+    assert not issubclass(cls, ValueError)
+    assert not issubclass(cls, HandleError)
+
+
+def test_exceptions_are_exported():
+    for name in ("IpcError", "HandleError", "ClosedError", "ProducerExitedError"):
+        assert name in cupy_ipc.__all__
+        assert getattr(cupy_ipc, name) is getattr(cupy_ipc._errors, name)
+
+
+def test_handle_error_is_caught_as_value_error():
+    # Callers that validate input generically catch ValueError; a bad handle must be one.
+    with pytest.raises(ValueError):
+        IpcArrayHandle.from_bytes(b"junk")
+    with pytest.raises(IpcError):
+        IpcArrayHandle.from_bytes(b"junk")
+
+
+def test_default_attributes():
+    assert IpcError("m").cuda_error is None
+    assert HandleError("m").cuda_error is None
+    assert ClosedError("m").cuda_error is None
+    e = ProducerExitedError("m")
+    assert (e.pid, e.cuda_error) == (0, None)
+
+
+def test_attributes_are_keyword_only():
+    # Positional use would be ambiguous between cuda_error and pid.
+    with pytest.raises(TypeError):
+        IpcError("m", "cudaErrorInvalidValue")  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        ProducerExitedError("m", 12)  # type: ignore[misc]
+
+
+EXCEPTIONS = [
+    IpcError("mapping failed"),
+    IpcError("mapping failed", cuda_error="cudaErrorInvalidValue"),
+    HandleError("bad handle"),
+    HandleError("handle claims 4096 bytes, driver mapped 2048", cuda_error="cudaErrorInvalidDevicePointer"),
+    ClosedError("this IpcEvent is closed"),
+    ClosedError("closed", cuda_error="cudaErrorInvalidResourceHandle"),
+    ProducerExitedError("the producer process (pid 1234) has exited", pid=1234),
+    ProducerExitedError("gone", pid=2**31 - 1, cuda_error="cudaErrorMapBufferObjectFailed"),
+    ProducerExitedError("gone"),
+]
+
+
+@pytest.mark.parametrize("exc", EXCEPTIONS, ids=lambda e: f"{type(e).__name__}-{e.cuda_error}")
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_pickles_with_attributes(exc, protocol):
+    copy = pickle.loads(pickle.dumps(exc, protocol=protocol))
+    assert type(copy) is type(exc)
+    assert str(copy) == str(exc)
+    assert copy.args == exc.args
+    assert copy.cuda_error == exc.cuda_error
+    if isinstance(exc, ProducerExitedError):
+        assert copy.pid == exc.pid
+
+
+def test_pickled_error_can_be_raised_and_caught_by_its_bases():
+    """What a child process sends back is caught by the same except clauses as the original."""
+    copy = pickle.loads(pickle.dumps(HandleError("bad", cuda_error="cudaErrorX")))
+    with pytest.raises(ValueError, match="^bad$") as info:
+        raise copy
+    assert isinstance(info.value, IpcError)
+    assert info.value.cuda_error == "cudaErrorX"
+
+
+def test_raised_handle_error_pickles():
+    with pytest.raises(HandleError) as info:
+        IpcArrayHandle.from_bytes(b"CIPA")
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is HandleError
+    assert str(copy) == str(info.value)
+    assert "4 bytes" in str(copy)

@@ -1,0 +1,96 @@
+"""Interprocess events between real processes."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from workers import spin, warm_up
+
+pytestmark = pytest.mark.gpu
+
+
+def _write_after_spin(seconds: float):
+    """Queue a long kernel, then the final write, on a non-blocking stream; record an event."""
+    import cupy
+
+    import cupy_ipc
+
+    warm_up()
+    a = cupy.zeros(1 << 16, cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    ev = cupy_ipc.IpcEvent()
+    spin(seconds, stream)
+    with stream:
+        a.fill(42)
+    ev.record(stream)
+    return a, ev, stream
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["wait", "no-wait-control"])
+def test_event_orders_work_across_processes(consumer, wait):
+    import cupy_ipc
+
+    consumer.call("warm_up")
+    a, ev, stream = _write_after_spin(3.0)
+    out = consumer.call(
+        "read_after_event",
+        cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False).to_bytes(),
+        ev.get_ipc_handle().to_bytes(),
+        wait,
+    )
+    stream.synchronize()
+    if wait:
+        assert (out == 42).all()
+    else:
+        # The control proves the check can fail: without the wait the consumer
+        # reads while the producer's kernel still runs.
+        assert (out == 0).all()
+
+
+def test_opened_event_is_destroyed_once(consumer):
+    import cupy_ipc
+
+    ev = cupy_ipc.IpcEvent(block=True)
+    ev.record()
+    r = consumer.call("event_lifecycle", ev.get_ipc_handle().to_bytes())
+    assert r == {"opened": True, "closed": True, "raised": "this IpcEvent is closed", "gc_destroyed": True}
+
+
+def test_event_api_in_one_process():
+    import cupy
+
+    import cupy_ipc
+
+    ev = cupy_ipc.IpcEvent()
+    s = cupy.cuda.Stream(non_blocking=True)
+    ev.record(s)
+    ev.wait()  # the current stream waits on the GPU
+    cupy.cuda.get_current_stream().wait_event(ev)  # CuPy accepts it through .ptr
+    ev.synchronize()
+    assert ev.query()
+    assert "IpcEvent ptr=0x" in repr(ev)
+    # pickling in the creating process gives back the original object
+    assert pickle.loads(pickle.dumps(ev)) is ev
+    h = ev.get_ipc_handle()
+    assert h.open() is ev
+    assert cupy_ipc.IpcEventHandle.from_bytes(h.to_bytes()) == h
+    ev.close()
+    ev.close()
+    with pytest.raises(cupy_ipc.ClosedError):
+        ev.record()
+    with pytest.raises(cupy_ipc.ClosedError):
+        h.open()
+
+
+def test_pickled_event_opens_in_another_process(consumer):
+    import cupy_ipc
+
+    ev = cupy_ipc.IpcEvent()
+    ev.record()
+    r = consumer.call("event_lifecycle", pickle.loads(pickle.dumps(ev.get_ipc_handle())).to_bytes())
+    assert r["opened"] and r["gc_destroyed"]
+    np.testing.assert_equal(ev.query(), True)

@@ -1,0 +1,220 @@
+"""Array handles between real processes: layouts, dtypes, pool offsets, closing."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128"]
+
+
+def _layouts():
+    import cupy
+
+    base = cupy.arange(4 * 5 * 6, dtype=cupy.float64).reshape(4, 5, 6)
+    return {
+        "c": base,
+        "f": cupy.asfortranarray(base),
+        "slice": base[1:3, ::2, 1:],
+        "reversed": base[::-1],
+        "negative_inner": base[:, :, ::-2],
+        "transposed": base.transpose(2, 0, 1),
+        "0-d": cupy.asarray(7.5),
+        "size-0": base[:, 2:2],
+        "size-0 1-d": cupy.empty(0, cupy.float32),
+        "column": base[:, 3, 4],
+    }
+
+
+def test_every_layout_round_trips(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    layouts = _layouts()
+    handles = {k: cupy_ipc.get_ipc_handle(v).to_bytes() for k, v in layouts.items()}
+    got = consumer.call("read_many", list(handles.values()))
+    for (name, arr), out in zip(layouts.items(), got):
+        expected = cupy.asnumpy(arr)
+        assert out.shape == expected.shape, name
+        np.testing.assert_array_equal(out, expected, err_msg=name)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_every_dtype_round_trips(consumer, order):
+    import cupy
+
+    import cupy_ipc
+
+    rng = np.random.default_rng(0)
+    arrays = []
+    for name in DTYPES:
+        host = (rng.standard_normal((3, 7)) * 100).astype(name)
+        if np.dtype(name).kind == "c":
+            host = host + 1j * host[::-1]
+        arrays.append(cupy.asarray(host, order=order))
+    got = consumer.call("read_many", [cupy_ipc.get_ipc_handle(a).to_bytes() for a in arrays])
+    for name, arr, out in zip(DTYPES, arrays, got):
+        assert out.dtype == np.dtype(name)
+        np.testing.assert_array_equal(out, cupy.asnumpy(arr), err_msg=name)
+
+
+def test_two_arrays_from_one_pool_block_open_to_their_own_data(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc):
+        block = cupy.empty(2 << 20, cupy.uint8)
+        del block  # the pool now splits this 2 MiB block for the next two arrays
+        a = cupy.full(1 << 18, 1, cupy.float32)
+        b = cupy.full(1 << 18, 2, cupy.float32)
+    ha, hb = cupy_ipc.get_ipc_handle(a), cupy_ipc.get_ipc_handle(b)
+    assert ha.memory_handle == hb.memory_handle  # the situation that misleads raw IPC
+    assert ha.offset != hb.offset
+    out_a, out_b = consumer.call("read_many", [ha.to_bytes(), hb.to_bytes()])
+    assert (out_a == 1).all() and (out_b == 2).all()
+
+
+def test_consumer_writes_are_seen_by_the_producer(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.zeros((64, 64), cupy.float32)[::2, 1::3]
+    consumer.call("write", cupy_ipc.get_ipc_handle(a).to_bytes(), 3.5)
+    assert (a == 3.5).all()
+
+
+def test_open_in_the_exporting_process_views_its_own_memory():
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.arange(10, dtype=cupy.int32)
+    h = cupy_ipc.get_ipc_handle(a[2:])
+    with h as view:
+        assert view.data.ptr == a.data.ptr + 8
+        view[0] = 100
+    del view
+    assert int(a[2]) == 100
+
+
+@pytest.mark.parametrize("close_first", [0, 1])
+def test_same_handle_opened_twice_closed_in_either_order(consumer, close_first):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.arange(1000, dtype=cupy.float32)
+    r = consumer.call("open_twice", cupy_ipc.get_ipc_handle(a, consumers=1).to_bytes(), close_first)
+    assert r["same_ptr"], "two opens of one allocation must share one mapping"
+    assert r["mapped_both"] == 1 and r["mapped_one"] == 1 and r["mapped_none"] == 0
+    np.testing.assert_array_equal(r["survivor"], cupy.asnumpy(a))
+
+
+def test_view_outliving_close_stays_readable_and_warns(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.arange(20, dtype=cupy.int64)
+    r = consumer.call("view_outlives_close", cupy_ipc.get_ipc_handle(a).to_bytes())
+    assert [c for c, _ in r["warnings"]] == ["ResourceWarning"]
+    assert "1 other array(s) or view(s)" in r["warnings"][0][1]
+    np.testing.assert_array_equal(r["values"], np.arange(1, 20))
+
+
+def test_with_statement_alone_does_not_warn():
+    import cupy
+
+    import cupy_ipc
+
+    h = cupy_ipc.get_ipc_handle(cupy.ones(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with h as arr:
+            arr += 1
+        h.close()  # idempotent
+
+
+def test_forged_allocation_size_is_refused_after_mapping(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(1 << 20, cupy.uint8)  # 1 MiB: its own cudaMalloc allocation
+    real = cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False)
+    forged = cupy_ipc.IpcArrayHandle(
+        memory_handle=real.memory_handle, offset=0, allocation_size=real.allocation_size * 4,
+        shape=(real.allocation_size * 4,), strides=(1,), dtype="uint8",
+        device=real.device, producer=real.producer,
+    )
+    kind, message, _ = consumer.call("open_error", forged.to_bytes())
+    assert kind == "HandleError", message
+    assert "forged" in message
+    # the consumer is still healthy and maps the real handle
+    assert consumer.call("read_first", real.to_bytes()) == 1
+
+
+def test_handle_from_another_host_is_refused_before_cuda(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    real = cupy_ipc.get_ipc_handle(cupy.ones(8), keepalive=False, sync=False)
+    p = real.producer
+    other = cupy_ipc.IpcArrayHandle(
+        memory_handle=real.memory_handle, offset=0, allocation_size=real.allocation_size,
+        shape=(8,), strides=(8,), dtype="float64", device=real.device,
+        producer=(p.pid, p.token, bytes(reversed(p.boot_id)), "elsewhere"),
+    )
+    kind, message, _ = consumer.call("open_error", other.to_bytes())
+    assert kind == "HandleError" and "elsewhere" in message
+
+
+def test_unknown_gpu_uuid_is_refused(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    real = cupy_ipc.get_ipc_handle(cupy.ones(8), keepalive=False, sync=False)
+    other = cupy_ipc.IpcArrayHandle(
+        memory_handle=real.memory_handle, offset=0, allocation_size=real.allocation_size,
+        shape=(8,), strides=(8,), dtype="float64", device=(0, b"\x01" * 16), producer=real.producer,
+    )
+    kind, message, _ = consumer.call("open_error", other.to_bytes())
+    assert kind == "HandleError" and "01010101-0101" in message
+
+
+def test_pytorch_tensor_is_read_by_a_cupy_consumer(consumer):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA")
+    import cupy_ipc
+
+    t = torch.arange(24, dtype=torch.float32, device="cuda").reshape(4, 6).t()[1:]
+    torch.cuda.synchronize()
+    out = consumer.call("read", cupy_ipc.get_ipc_handle(t).to_bytes())
+    np.testing.assert_array_equal(out, t.cpu().numpy())
+
+
+def test_unsupported_memory_is_refused_with_advice():
+    import cupy
+
+    import cupy_ipc
+
+    managed = cupy.cuda.MemoryPointer(cupy.cuda.memory.ManagedMemory(1024), 0)
+    arr = cupy.ndarray((256,), cupy.float32, managed)
+    with pytest.raises(cupy_ipc.IpcError, match="managed memory"):
+        cupy_ipc.get_ipc_handle(arr)
+    with pytest.raises(TypeError, match="not a CUDA GPU"):
+        cupy_ipc.get_ipc_handle(np.ones(3))
+    gc.collect()

@@ -1,0 +1,156 @@
+"""Keep-alive and ordering across processes, producer death, leaks."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+
+from workers import open_fds, segments
+
+pytestmark = pytest.mark.gpu
+
+N = 1 << 20  # 4 MiB of float32: its own pool block
+
+
+@pytest.mark.parametrize("keepalive", [True, False], ids=["keepalive", "no-keepalive-control"])
+def test_dropped_array_stays_alive_for_the_consumer(remote, keepalive):
+    producer, consumer = remote(), remote()
+    data = producer.call("export_then_overwrite", N, keepalive)
+    out = consumer.call("read", data)
+    if keepalive:
+        assert (out == 1).all()
+    else:
+        # The control proves the check can fail: without keep-alive the pool
+        # handed the memory to the next arrays and the consumer reads their 99s.
+        assert (out == 99).all()
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "no-sync-control"])
+def test_consumer_sees_values_written_after_a_long_kernel(remote, sync):
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    data = producer.call("export_after_spin", N, 3.0, sync)
+    out = consumer.call("read", data)
+    if sync:
+        assert (out == 7).all()
+    else:
+        assert (out == 0).all()
+
+
+def test_pin_outlives_consumer_gpu_work(remote):
+    """The producer keeps the memory until the consumer's queued kernel has finished."""
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    a = cupy.zeros(N, cupy.float32)
+    data = cupy_ipc.get_ipc_handle(a).to_bytes()
+    del a
+    consumer.call("spin_then_drop", data, 2.0)  # returns as soon as the array is dropped
+    assert len(cupy_ipc.pinned()) == 1
+    deadline = time.monotonic() + 20
+    while cupy_ipc.pinned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cupy_ipc.pinned() == []
+
+
+def test_unopened_export_stays_pinned_until_release_or_lease():
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(N, cupy.float32)
+    h = cupy_ipc.get_ipc_handle(a)
+    h_lease = cupy_ipc.get_ipc_handle(a, lease=0.2)
+    infos = cupy_ipc.pinned()
+    assert len(infos) == 2 and all(i.nbytes >= 4 * N for i in infos)
+    time.sleep(0.3)
+    assert len(cupy_ipc.pinned()) == 1  # the lease ran out
+    with pytest.raises(cupy_ipc.IpcError, match="no longer shares"):
+        h_lease.open()
+    h.release()
+    assert cupy_ipc.pinned() == []
+    with pytest.raises(cupy_ipc.IpcError, match="no longer shares"):
+        h.open()
+
+
+def test_consumers_count_allows_several_processes(remote):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.full(16, 5, cupy.int32)
+    data = cupy_ipc.get_ipc_handle(a, consumers=2).to_bytes()
+    c1, c2 = remote(), remote()
+    assert c1.call("read_first", data) == 5
+    assert c2.call("read_first", data) == 5
+    assert cupy_ipc.pinned() == []
+    kind, message, _ = remote().call("open_error", data)
+    assert kind == "IpcError" and "no longer shares" in message
+
+
+def test_ten_thousand_cycles_leak_nothing(remote):
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    pool = cupy.get_default_memory_pool()
+
+    def one_cycle(i: int) -> None:
+        a = cupy.full(1024, i, cupy.float32)
+        assert consumer.call("read_first", cupy_ipc.get_ipc_handle(a).to_bytes()) == i
+
+    for i in range(20):  # reach the steady state: caches filled, pools warm
+        one_cycle(i)
+    consumer.call("collect")
+    cupy_ipc.collect()
+    gc.collect()
+    before = (pool.used_bytes(), len(cupy_ipc.pinned()), segments(), open_fds(), consumer.call("state"))
+    for i in range(10_000):
+        one_cycle(i % 1000)
+    consumer.call("collect")
+    cupy_ipc.collect()
+    gc.collect()
+    after = (pool.used_bytes(), len(cupy_ipc.pinned()), segments(), open_fds(), consumer.call("state"))
+    assert after == before
+
+
+def test_open_after_producer_sigkill_fails_fast(remote):
+    producer, consumer = remote(), remote()
+    data = producer.call("export_filled", N, 3.0)
+    producer.kill()
+    kind, message, seconds = consumer.call("open_error", data)
+    assert kind == "ProducerExitedError"
+    assert f"pid {producer.pid}" in message
+    assert seconds < 1.0
+    # still usable afterwards
+    assert consumer.call("read_first", _local_handle()) == 1
+
+
+def _local_handle() -> bytes:
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(8, cupy.float32)
+    _keep.append(a)
+    return cupy_ipc.get_ipc_handle(a).to_bytes()
+
+
+_keep: list = []
+
+
+def test_mapping_held_when_producer_dies(remote):
+    """A consumer keeps reading the last values after the producer is killed (measured behaviour)."""
+    producer, consumer = remote(), remote()
+    data = producer.call("export_filled", N, 4.0)
+    consumer.call("hold", data, "x")
+    producer.kill()
+    out = consumer.call("read_held", "x")
+    assert (out == 4).all()
+    consumer.call("drop", "x")
+    assert consumer.call("read_first", _local_handle()) == 1

@@ -1,0 +1,238 @@
+"""The shared lock segment, with real processes: liveness and in-use locks survive only their holder."""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing
+import os
+import secrets
+import signal
+import time
+
+import pytest
+
+from cupy_ipc import ProducerExitedError, _segment
+from cupy_ipc._segment import ALIVE, FREE, PINNED, READ, REVOKED, WRITE, Segment, in_use, mutex, segment_path
+
+pytestmark = pytest.mark.skipif(not hasattr(fcntl, "F_OFD_SETLK"), reason="needs Linux open-file-description locks")
+
+CTX = multiprocessing.get_context("spawn")
+START_TIMEOUT = 60  # a spawned child imports cupy_ipc and numpy first
+JOIN_TIMEOUT = 30
+
+
+# --- workers (module level, so that spawn can import them) ------------------------------------
+def _idle_until_orphaned(limit=120.0):
+    # Never outlive the test run: stop when the parent is gone or after ``limit`` seconds.
+    parent, end = os.getppid(), time.monotonic() + limit
+    while os.getppid() == parent and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def _create_and_hold(token, ready):
+    Segment.create(token)
+    ready.set()
+    _idle_until_orphaned()
+
+
+def _attach_and_hold_in_use(token, parent_pid, slot, ready):
+    seg = Segment.attach(token, pid=parent_pid)
+    assert seg.lock(in_use(slot), READ, wait=False)
+    ready.set()
+    _idle_until_orphaned()
+
+
+def _attach_and_write(token, parent_pid, slot, export_id, state, opens):
+    seg = Segment.attach(token, pid=parent_pid)
+    seg.write(slot, export_id, state, opens)
+    seg.close()
+
+
+# --- helpers ----------------------------------------------------------------------------------
+@pytest.fixture
+def token():
+    token = secrets.token_bytes(16)
+    yield token
+    # A child killed with SIGKILL leaves its segment file behind.
+    stale = _segment._attached.pop(token, None)
+    if stale is not None:
+        stale.close()
+    try:
+        os.unlink(segment_path(token))
+    except FileNotFoundError:
+        pass
+
+
+@pytest.fixture
+def start():
+    """Start a spawned process running ``target`` and wait until it sets its ready event; kill survivors."""
+    procs = []
+
+    def start(target, *args, ready=True):
+        event = CTX.Event() if ready else None
+        p = CTX.Process(target=target, args=(*args, event) if ready else args, daemon=True)
+        procs.append(p)
+        p.start()
+        if ready:
+            assert event.wait(START_TIMEOUT), f"child {p.pid} did not become ready"
+        return p
+
+    yield start
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(JOIN_TIMEOUT)
+
+
+def kill(p):
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(JOIN_TIMEOUT)
+    assert p.exitcode == -signal.SIGKILL
+
+
+# --- liveness -----------------------------------------------------------------------------------
+def test_segment_of_live_child_is_alive_and_dead_after_sigkill(token, start):
+    p = start(_create_and_hold, token)
+    seg = Segment.attach(token, pid=p.pid)
+    try:
+        assert seg.producer_alive()
+        assert seg.held_by_other(ALIVE)
+        kill(p)
+        # The kernel dropped the child's lock with its last file descriptor: no grace period.
+        assert not seg.producer_alive()
+        assert not seg.held_by_other(ALIVE)
+    finally:
+        seg.close()
+
+
+def test_module_attach_raises_and_removes_stale_file_after_sigkill(token, start):
+    p = start(_create_and_hold, token)
+    seg = _segment.attach(token, p.pid)
+    assert seg.producer_alive()
+    assert _segment.attach(token, p.pid) is seg  # opened once per process
+    kill(p)
+    with pytest.raises(ProducerExitedError) as info:
+        _segment.attach(token, p.pid)
+    assert info.value.pid == p.pid
+    assert str(p.pid) in str(info.value)
+    assert not os.path.exists(segment_path(token))
+    assert token not in _segment._attached
+    # With the file gone, even opening it says the producer exited.
+    with pytest.raises(ProducerExitedError) as info:
+        Segment.attach(token, pid=p.pid)
+    assert info.value.pid == p.pid
+
+
+def test_attach_to_missing_segment_raises_producer_exited(token):
+    with pytest.raises(ProducerExitedError, match="pid 4321") as info:
+        Segment.attach(token, pid=4321)
+    assert info.value.pid == 4321
+
+
+def test_own_segment_is_alive_to_another_opener(token):
+    seg = Segment.create(token)
+    try:
+        other = Segment.attach(token, pid=os.getpid())
+        try:
+            assert other.producer_alive()
+            # The creator's own lock does not conflict with itself.
+            assert not seg.held_by_other(ALIVE)
+        finally:
+            other.close()
+    finally:
+        seg.close(unlink=True)
+    assert not os.path.exists(segment_path(token))
+
+
+def test_create_refuses_an_existing_segment(token):
+    seg = Segment.create(token)
+    try:
+        with pytest.raises(FileExistsError):
+            Segment.create(token)
+    finally:
+        seg.close(unlink=True)
+
+
+def test_close_is_idempotent(token):
+    seg = Segment.create(token)
+    seg.close(unlink=True)
+    seg.close(unlink=True)
+    assert seg.fd == -1
+
+
+# --- in-use locks ----------------------------------------------------------------------------------
+def test_in_use_lock_of_child_blocks_write_until_sigkill(token, start):
+    seg = Segment.create(token)
+    try:
+        p = start(_attach_and_hold_in_use, token, os.getpid(), 3)
+        assert seg.held_by_other(in_use(3))
+        assert seg.lock(in_use(3), WRITE, wait=False) is False
+        # Only that slot: its neighbours and the slot's mutex are free.
+        for offset in (in_use(2), in_use(4), mutex(3)):
+            assert not seg.held_by_other(offset)
+            assert seg.lock(offset, WRITE, wait=False) is True
+            seg.unlock(offset)
+        # A read lock is shared, so another consumer could still open the slot.
+        assert seg.lock(in_use(3), READ, wait=False) is True
+        seg.unlock(in_use(3))
+        kill(p)
+        assert not seg.held_by_other(in_use(3))
+        assert seg.lock(in_use(3), WRITE, wait=False) is True
+        seg.unlock(in_use(3))
+    finally:
+        seg.close(unlink=True)
+
+
+def test_write_lock_conflicts_between_two_opens_in_one_process(token):
+    """The locks belong to open file descriptions, not processes: two opens conflict even in one process."""
+    seg = Segment.create(token)
+    other = Segment.attach(token, pid=os.getpid())
+    try:
+        assert other.lock(mutex(0), WRITE, wait=False)
+        assert seg.held_by_other(mutex(0))
+        assert not seg.lock(mutex(0), WRITE, wait=False)
+        assert not seg.lock(mutex(0), READ, wait=False)
+        other.unlock(mutex(0))
+        assert not seg.held_by_other(mutex(0))
+        assert seg.lock(mutex(0), WRITE, wait=False)
+        seg.unlock(mutex(0))
+    finally:
+        other.close()
+        seg.close(unlink=True)
+
+
+def test_lock_offsets_are_distinct():
+    offsets = [ALIVE] + [f(slot) for slot in range(100) for f in (in_use, mutex)]
+    assert len(set(offsets)) == len(offsets)
+
+
+# --- records -------------------------------------------------------------------------------------------
+def test_record_round_trip(token):
+    seg = Segment.create(token)
+    try:
+        assert seg.read(0) == (0, 0, FREE)  # nothing written yet: past the end of the file
+        seg.write(0, 7, PINNED)
+        seg.write(5, 2**64 - 1, REVOKED, opens=2**32 - 1)
+        seg.write(2, 11, PINNED, opens=3)
+        assert seg.read(0) == (7, 0, PINNED)
+        assert seg.read(5) == (2**64 - 1, 2**32 - 1, REVOKED)
+        assert seg.read(2) == (11, 3, PINNED)
+        assert seg.read(1) == (0, 0, FREE)  # a hole before a written slot reads as zeros
+        assert seg.read(6) == (0, 0, FREE)
+        seg.write(5, 8, FREE, opens=1)
+        assert seg.read(5) == (8, 1, FREE)
+        assert seg.read(2) == (11, 3, PINNED)  # neighbours untouched
+    finally:
+        seg.close(unlink=True)
+
+
+def test_record_written_by_child_is_read_by_parent(token, start):
+    seg = Segment.create(token)
+    try:
+        p = start(_attach_and_write, token, os.getpid(), 9, 123456789, PINNED, 4, ready=False)
+        p.join(JOIN_TIMEOUT)
+        assert p.exitcode == 0
+        assert seg.read(9) == (123456789, 4, PINNED)
+        assert seg.read(8) == (0, 0, FREE)
+    finally:
+        seg.close(unlink=True)

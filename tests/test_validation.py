@@ -1,0 +1,731 @@
+"""Every check made on a handle before CUDA sees it; only HandleError may come out of parsing. CPU only."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import re
+import string
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cupy_ipc import DeviceId, HandleError, IpcArrayHandle, IpcError, IpcEventHandle, Producer
+from cupy_ipc._wire import _ARRAY, _EVENT, ARRAY_HEADER, EVENT_RECORD, VERSION, EventFields, Kind, pack_event
+
+DTYPES = [
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128,
+]
+MEMORY_HANDLE = bytes(range(0xA0, 0xE0))
+UUID = bytes(range(0x10, 0x20))
+TOKEN = bytes(range(0xE0, 0xF0))
+BOOT_ID = bytes(range(0x30, 0x40))
+PRODUCER = (4242, TOKEN, BOOT_ID, "gpu-host")
+
+
+# --- the wire layout, read from the structs so that these tests follow the format ---------------------------
+def layout(fmt, names):
+    """``{field: (byte offset, struct code)}`` for a little-endian struct format."""
+    assert fmt.startswith("<")
+    codes = re.findall(r"\d*[a-zA-Z?]", fmt[1:])
+    assert "<" + "".join(codes) == fmt and len(codes) == len(names)
+    return {name: (struct.calcsize("<" + "".join(codes[:i])), "<" + code)
+            for i, (name, code) in enumerate(zip(names, codes))}
+
+
+ARRAY_FIELDS = layout(_ARRAY.format, (
+    "magic", "version", "kind", "flags", "ndim", "dtype", "memory_handle", "offset", "allocation_size",
+    "base_ptr", "buffer_id", "ordinal", "uuid", "pid", "token", "boot_id", "host", "export_id", "slot",
+    "event_handle",
+))
+EVENT_FIELDS = layout(_EVENT.format, (
+    "magic", "version", "block", "reserved", "event_handle", "ordinal", "uuid", "pid", "token", "boot_id",
+    "host", "padding",
+))
+
+
+def patched(data, fields, **values):
+    """``data`` with the named header fields overwritten."""
+    buf = bytearray(data)
+    for name, value in values.items():
+        offset, code = fields[name]
+        if code.endswith("x"):  # padding has no struct value: write raw bytes
+            buf[offset:offset + len(value)] = value
+        else:
+            struct.pack_into(code, buf, offset, value)
+    return bytes(buf)
+
+
+def with_dims(data, shape, strides):
+    """``data`` with its ndim byte and trailing extents and strides replaced."""
+    head = patched(data[:ARRAY_HEADER], ARRAY_FIELDS, ndim=len(shape))
+    return head + struct.pack(f"<{len(shape) + len(strides)}q", *shape, *strides)
+
+
+def fields_of(name, fields=ARRAY_FIELDS):
+    offset, code = fields[name]
+    return offset, offset + struct.calcsize(code)
+
+
+# --- handles ------------------------------------------------------------------------------------------------
+def make(shape=(4, 2), strides=(8, 4), dtype="float32", offset=0, allocation_size=32, *,
+         kind=Kind.LEGACY, memory_handle=MEMORY_HANDLE, device=(0, UUID), producer=PRODUCER):
+    return IpcArrayHandle(memory_handle=memory_handle, offset=offset, allocation_size=allocation_size,
+                          shape=shape, strides=strides, dtype=dtype, device=device, producer=producer, kind=kind)
+
+
+VALID = make().to_bytes()
+EVENT = pack_event(EventFields(bytes(range(64)), True, DeviceId(1, UUID), Producer(*PRODUCER)))
+
+
+def rejected(match, fn, *args, **kwargs):
+    """Assert ``fn`` raises a HandleError naming the problem; return it."""
+    with pytest.raises(HandleError, match=match) as info:
+        fn(*args, **kwargs)
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, IpcError)
+    return info.value
+
+
+def accepted_or_round_trips(data):
+    """The property every parse must have: HandleError, or an exact round trip."""
+    try:
+        h = IpcArrayHandle.from_bytes(data)
+    except HandleError:
+        return None
+    assert h.to_bytes() == bytes(data)
+    assert IpcArrayHandle.from_bytes(h.to_bytes()) == h
+    return h
+
+
+def event_accepted_or_round_trips(data):
+    try:
+        e = IpcEventHandle.from_bytes(data)
+    except HandleError:
+        return None
+    assert e.to_bytes() == bytes(data)
+    assert IpcEventHandle.from_bytes(e.to_bytes()) == e
+    return e
+
+
+def constructed_or_round_trips(**kwargs):
+    """The constructor's property: HandleError, or a handle whose wire form gives it back exactly."""
+    try:
+        h = IpcArrayHandle(**kwargs)
+    except HandleError:
+        return None
+    data = h.to_bytes()
+    assert IpcArrayHandle.from_bytes(data) == h
+    assert IpcArrayHandle.from_bytes(data).to_bytes() == data
+    return h
+
+
+def test_layout_finds_the_fields():
+    """The offsets computed above point at the fields, or every corruption below would hit the wrong bytes."""
+    assert struct.calcsize(_ARRAY.format) == ARRAY_HEADER
+    assert struct.calcsize(_EVENT.format) == EVENT_RECORD
+    h = make(offset=8, allocation_size=40, device=(3, UUID))
+    data = h.to_bytes()
+
+    def field(name, fields=ARRAY_FIELDS, data=data):
+        offset, code = fields[name]
+        return struct.unpack_from(code, data, offset)[0]
+
+    assert (field("kind"), field("ndim"), field("dtype")) == (Kind.LEGACY, 2, b"<f4\0")
+    assert (field("offset"), field("allocation_size"), field("ordinal"), field("pid")) == (8, 40, 3, 4242)
+    assert (field("memory_handle"), field("uuid"), field("token"), field("boot_id")) == (MEMORY_HANDLE, UUID, TOKEN,
+                                                                                          BOOT_ID)
+    assert field("host").rstrip(b"\0") == b"gpu-host"
+    assert (field("block", EVENT_FIELDS, EVENT), field("ordinal", EVENT_FIELDS, EVENT)) == (1, 1)
+    assert field("event_handle", EVENT_FIELDS, EVENT) == bytes(range(64))
+    assert field("host", EVENT_FIELDS, EVENT).rstrip(b"\0") == b"gpu-host"
+
+
+# --- type and framing ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["CIPA", VALID.decode("latin-1"), 273, 0, None, [1, 2], 1.5],
+                         ids=["str", "str of handle", "int", "zero", "None", "list", "float"])
+def test_wrong_type(value):
+    err = rejected("must be bytes", IpcArrayHandle.from_bytes, value)
+    assert type(value).__name__ in str(err)
+    rejected("must be bytes", IpcEventHandle.from_bytes, value)
+
+
+@pytest.mark.parametrize("length", [0, 1, 4, 6, ARRAY_HEADER - 1])
+def test_too_short(length):
+    rejected(f"array handle is {length} bytes; at least {ARRAY_HEADER} expected", IpcArrayHandle.from_bytes,
+             VALID[:length])
+
+
+@pytest.mark.parametrize("magic", [b"CIPE", b"cipa", b"\0\0\0\0", b"XIPA"])
+def test_wrong_magic(magic):
+    rejected("not a cupy_ipc array handle", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, magic=magic))
+
+
+def test_event_handle_is_not_an_array_handle():
+    rejected("magic", IpcArrayHandle.from_bytes, EVENT + bytes(ARRAY_HEADER))
+    rejected("magic", IpcEventHandle.from_bytes, VALID[:EVENT_RECORD])
+
+
+@pytest.mark.parametrize("version", [0, VERSION + 1, 0xFFFF, 0x0100])
+def test_wrong_version(version):
+    rejected(f"format version {version}", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, version=version))
+
+
+@pytest.mark.parametrize("ndim", [65, 100, 255])
+def test_ndim_over_64_from_bytes(ndim):
+    data = with_dims(VALID, (1,) * ndim, (4,) * ndim)
+    rejected(f"{ndim} dimensions; at most 64", IpcArrayHandle.from_bytes, data)
+    # Even with a body too short for it: the count is checked before anything is read.
+    rejected(f"{ndim} dimensions; at most 64", IpcArrayHandle.from_bytes, data[:ARRAY_HEADER])
+
+
+def test_ndim_over_64_in_constructor():
+    rejected("65 dimensions; at most 64", make, (1,) * 65, (4,) * 65)
+
+
+@pytest.mark.parametrize("delta", [-16, -8, -1, 1, 8, 16, 1000])
+def test_length_not_matching_ndim(delta):
+    data = VALID + bytes(max(delta, 0)) if delta > 0 else VALID[:delta]
+    rejected(f"array handle is {len(data)} bytes; {len(VALID)} expected for 2 dimensions",
+             IpcArrayHandle.from_bytes, data)
+
+
+def test_ndim_byte_not_matching_dims():
+    rejected("expected for 1 dimensions", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, ndim=1))
+    rejected("expected for 3 dimensions", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, ndim=3))
+
+
+def test_shape_and_strides_of_different_lengths_in_constructor():
+    rejected("shape has 2 dimensions but strides has 1", make, (4, 2), (8,))
+    rejected("shape has 0 dimensions but strides has 1", make, (), (4,))
+
+
+# --- dtypes -------------------------------------------------------------------------------------------------
+UNSUPPORTED = {
+    "object": object,
+    "str": str,
+    "U": "U4",
+    "bytes": "S4",
+    "structured": [("a", "<f4"), ("b", "<i4")],
+    "void": "V8",
+    "big-endian f4": ">f4",
+    "big-endian i8": ">i8",
+    "big-endian c16": ">c16",
+    "datetime": "datetime64[ns]",
+    "timedelta": "timedelta64[s]",
+    "longdouble": np.longdouble,
+    "subarray": ("<f4", (2,)),
+}
+
+
+@pytest.mark.parametrize("dtype", list(UNSUPPORTED.values()), ids=list(UNSUPPORTED))
+def test_unsupported_dtype_in_constructor(dtype):
+    rejected("cannot be shared", make, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float33", "not a dtype", 3.5, "M8[parsec]"])
+def test_not_a_dtype_in_constructor(dtype):
+    rejected("not a dtype", make, dtype=dtype)
+
+
+@pytest.mark.parametrize("text", [b">f4", b">i4", b"|O", b"<U1", b"|S4", b"|V4", b"<M8", b"<m8", b"<f16"])
+def test_unsupported_dtype_on_the_wire(text):
+    rejected("cannot be shared", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, dtype=text))
+
+
+@pytest.mark.parametrize("text", [b"", b"zz", b"\x00<f4", b"(2)f", b"<f4x"])
+def test_garbage_dtype_on_the_wire(text):
+    rejected("not a dtype", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, dtype=text))
+
+
+@pytest.mark.parametrize("text", [b"\xff<f4", b"<f\xe94"])
+def test_non_ascii_dtype_on_the_wire(text):
+    rejected("is not text", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, dtype=text))
+
+
+# Spellings that numpy reads as a supported dtype but that to_bytes() never writes.
+NON_CANONICAL_DTYPES = [b"f4", b"=f4", b"f", b"?", b"b1", b"b", b"i1", b"=i8", b"c8", b"e", b"int"]
+
+
+@pytest.mark.parametrize("text", NON_CANONICAL_DTYPES)
+def test_non_canonical_dtype_on_the_wire_is_rejected_or_kept(text):
+    """Only NumPy's dtype.str is read, so that one handle has one wire form."""
+    dt = np.dtype(text.decode())
+    assert dt.str.encode() != text and dt in DTYPES  # a supported dtype, spelled differently
+    data = make((4, 2), (2 * dt.itemsize, dt.itemsize), dt, 0, 8 * dt.itemsize).to_bytes()
+    rejected("not written as NumPy's dtype.str", IpcArrayHandle.from_bytes, patched(data, ARRAY_FIELDS, dtype=text))
+
+
+@pytest.mark.parametrize("text", [b"a", b"a4"])
+def test_deprecated_dtype_alias_on_the_wire_raises_only_handle_error(text):
+    """numpy deprecates the 'a' alias; its DeprecationWarning must not escape from parsing."""
+    rejected("not a dtype|cannot be shared", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, dtype=text))
+
+
+# --- shape, alignment, extent -------------------------------------------------------------------------------
+def test_negative_shape_from_bytes():
+    rejected("negative extent", IpcArrayHandle.from_bytes, with_dims(VALID, (4, -2), (8, 4)))
+    rejected("negative extent", IpcArrayHandle.from_bytes, with_dims(VALID, (-(2**63),), (4,)))
+
+
+@pytest.mark.parametrize("shape", [(-1,), (4, -2), (-3, 0), (0, -1)])
+def test_negative_shape_in_constructor(shape):
+    rejected("negative extent", make, shape, (4,) * len(shape))
+
+
+@pytest.mark.parametrize("dtype, offset", [("float32", 2), ("float64", 4), ("int16", 1), ("complex128", 12),
+                                           ("complex64", 6), ("uint64", 7)])
+def test_misaligned_offset(dtype, offset):
+    rejected(f"offset {offset} or strides .* not aligned", make, (2,), (np.dtype(dtype).itemsize,), dtype,
+             offset, 4096)
+
+
+def test_misaligned_offset_from_bytes():
+    data = patched(VALID, ARRAY_FIELDS, offset=2, allocation_size=64)
+    rejected("not aligned to the 4-byte alignment of float32", IpcArrayHandle.from_bytes, data)
+
+
+@pytest.mark.parametrize("dtype, strides", [("float32", (8, 2)), ("float64", (12, 8)), ("int16", (3, 2)),
+                                            ("complex128", (-4, 16)), ("float32", (4, -6))])
+def test_misaligned_stride(dtype, strides):
+    rejected("not aligned", make, (2, 2), strides, dtype, 64, 4096)
+
+
+def test_misaligned_stride_from_bytes():
+    rejected("not aligned", IpcArrayHandle.from_bytes, with_dims(VALID, (4, 2), (8, 5)))
+
+
+def test_stride_of_a_size_one_dimension_is_not_checked():
+    # Only index 0 is ever multiplied by it, so any value is safe; numpy and CuPy may leave any value there.
+    assert make((1, 2), (3, 4)).strides == (3, 4)
+    assert make((1,), (-(2**63),), allocation_size=4).strides == (-(2**63),)
+
+
+@pytest.mark.parametrize("shape, strides, offset, allocation_size", [
+    ((4, 2), (8, 4), 0, 31),  # one byte short
+    ((4, 2), (8, 4), 4, 32),  # shifted past the end
+    ((8,), (4,), 2**64 - 4, 2**64 - 1),  # near the top of u64: no wraparound
+    ((2, 3), (4, 8), 0, 23),  # F-order
+    ((1000, 1000), (0, 4), 0, 3996),  # a broadcast view still needs its last row
+])
+def test_extent_beyond_allocation_positive_strides(shape, strides, offset, allocation_size):
+    rejected("outside the .*-byte allocation", make, shape, strides, "float32", offset, allocation_size)
+
+
+@pytest.mark.parametrize("shape, strides, offset, allocation_size", [
+    ((3,), (-8,), 8, 64),  # reaches back to byte -8
+    ((3,), (-8,), 12, 64),  # reaches back to byte -4
+    ((3, 4), (-16, -4), 43, 48),
+    ((3, 4), (16, -4), 8, 48),
+    ((2,), (-(2**62),), 2**62 - 4, 2**64 - 1),
+])
+def test_extent_beyond_allocation_negative_strides(shape, strides, offset, allocation_size):
+    rejected("outside the .*-byte allocation", make, shape, strides, "int32" if offset % 4 == 0 else "int8",
+             offset, allocation_size)
+
+
+def test_extent_boundaries_are_exact():
+    # Exactly fitting layouts pass, one byte less fails: the check is neither loose nor off by one.
+    assert make((3,), (-8,), "float64", 16, 24)
+    rejected("outside", make, (3,), (-8,), "float64", 16, 23)
+    assert make((4, 2), (8, 4), "float32", 0, 32)
+    rejected("outside", make, (4, 2), (8, 4), "float32", 8, 39)
+    assert make((3, 4), (16, -4), "float32", 12, 48)
+    rejected("outside", make, (3, 4), (16, -4), "float32", 8, 48)
+
+
+def test_extent_beyond_allocation_from_bytes():
+    rejected("outside the 31-byte allocation", IpcArrayHandle.from_bytes,
+             patched(VALID, ARRAY_FIELDS, allocation_size=31))
+    rejected("reaches bytes \\[-24, 8\\)", IpcArrayHandle.from_bytes, with_dims(VALID, (4, 2), (-8, 4)))
+
+
+@pytest.mark.parametrize("offset, allocation_size", [(-4, 32), (0, -1), (-1, -1)])
+def test_negative_offset_or_size_in_constructor(offset, allocation_size):
+    rejected("must not be negative", make, offset=offset, allocation_size=allocation_size)
+
+
+# --- kinds --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(0,), (4, 0), (0, 0)])
+def test_size_zero_shape_with_legacy_kind(shape):
+    rejected("has no elements, so the handle kind must be empty", make, shape, (4,) * len(shape))
+    rejected("must be empty", IpcArrayHandle.from_bytes, with_dims(VALID, shape, (4,) * len(shape)))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (4, 2)])
+def test_empty_kind_with_nonzero_size(shape):
+    rejected("empty handle must have a size-0 shape", make, shape, (4,) * len(shape), kind=Kind.EMPTY)
+    data = with_dims(patched(VALID, ARRAY_FIELDS, kind=Kind.EMPTY), shape, (4,) * len(shape))
+    rejected("empty handle must have a size-0 shape", IpcArrayHandle.from_bytes, data)
+
+
+@pytest.mark.parametrize("kind", [1, 2, 7, 128, 254])
+def test_unknown_kind_byte(kind):
+    rejected(f"unknown memory kind {kind}", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, kind=kind))
+    rejected(f"unknown memory kind {kind}", make, kind=kind)
+
+
+# --- lengths of the byte fields in the constructor ----------------------------------------------------------
+@pytest.mark.parametrize("length", [0, 16, 63, 65, 128])
+def test_memory_handle_of_wrong_length(length):
+    rejected("must be 64 bytes", make, memory_handle=bytes(length))
+
+
+@pytest.mark.parametrize("length", [0, 15, 17, 32])
+def test_device_uuid_of_wrong_length(length):
+    rejected("UUID must be 16 bytes", make, device=(0, bytes(length)))
+
+
+@pytest.mark.parametrize("field", ["token", "boot_id"])
+@pytest.mark.parametrize("length", [0, 15, 17])
+def test_producer_ids_of_wrong_length(field, length):
+    """The wire keeps 16 bytes of token and boot id; a cut token would name another producer."""
+    pid, token, boot, host = PRODUCER
+    producer = (pid, bytes(length), boot, host) if field == "token" else (pid, token, bytes(length), host)
+    rejected("must be 16 bytes", IpcArrayHandle, memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32,
+             shape=(4, 2), strides=(8, 4), dtype="float32", device=(0, UUID), producer=producer)
+
+
+@pytest.mark.parametrize("host", ["h" * 33, "ü" * 17, "gpu-host\0", "x" * 31 + "é"],
+                         ids=["33 bytes", "34 UTF-8 bytes", "trailing NUL", "cut inside a character"])
+def test_host_that_the_wire_cannot_keep(host):
+    """The wire keeps 32 UTF-8 bytes of host name, without trailing NULs."""
+    rejected("host name", IpcArrayHandle, memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2),
+             strides=(8, 4), dtype="float32", device=(0, UUID), producer=(1, TOKEN, BOOT_ID, host))
+
+
+OUT_OF_RANGE = {
+    "offset 2**64": dict(offset=2**64, allocation_size=2**64 + 32),
+    "allocation 2**64": dict(allocation_size=2**64),
+    "extent 2**63": dict(shape=(2**63,), strides=(0,)),
+    "stride 2**63": dict(shape=(1,), strides=(2**63,)),
+    "stride -2**63-1": dict(shape=(1,), strides=(-(2**63) - 1,)),
+    "device ordinal 2**31": dict(device=(2**31, UUID)),
+    "device ordinal -2**31-1": dict(device=(-(2**31) - 1, UUID)),
+    "pid 2**31": dict(producer=(2**31, TOKEN, BOOT_ID, "h")),
+}
+
+
+@pytest.mark.parametrize("change", list(OUT_OF_RANGE.values()), ids=list(OUT_OF_RANGE))
+def test_integers_that_do_not_fit_the_wire(change):
+    """Refused at construction, not later by to_bytes() with a struct.error."""
+    kwargs = dict(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
+                  dtype="float32", device=(0, UUID), producer=PRODUCER)
+    rejected("does not fit the wire format", IpcArrayHandle, **{**kwargs, **change})
+
+
+def test_host_that_is_not_utf8_on_the_wire():
+    """Decoding with replacement characters would change the bytes on the next to_bytes()."""
+    start, _ = fields_of("host")
+    buf = bytearray(VALID)
+    buf[start] = 0xFF
+    rejected("not valid UTF-8", IpcArrayHandle.from_bytes, bytes(buf))
+
+
+def test_released_memoryview_raises_handle_error():
+    """bytes() of a released memoryview raises ValueError; that too becomes a HandleError."""
+    view = memoryview(VALID)
+    view.release()
+    with pytest.raises(HandleError):
+        IpcArrayHandle.from_bytes(view)
+
+
+# --- event handles ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [0, 4, 6, EVENT_RECORD - 1])
+def test_event_too_short(length):
+    rejected(f"event handle is {length} bytes; at least {EVENT_RECORD} expected", IpcEventHandle.from_bytes,
+             EVENT[:length])
+
+
+@pytest.mark.parametrize("extra", [1, 4, 16, ARRAY_HEADER])
+def test_event_too_long(extra):
+    rejected(f"event handle is {EVENT_RECORD + extra} bytes; {EVENT_RECORD} expected", IpcEventHandle.from_bytes,
+             EVENT + bytes(extra))
+
+
+@pytest.mark.parametrize("magic", [b"CIPA", b"cipe", b"\0\0\0\0"])
+def test_event_wrong_magic(magic):
+    rejected("not a cupy_ipc event handle", IpcEventHandle.from_bytes, patched(EVENT, EVENT_FIELDS, magic=magic))
+
+
+@pytest.mark.parametrize("version", [0, VERSION + 1, 0xFFFF])
+def test_event_wrong_version(version):
+    rejected(f"event handle format version {version}", IpcEventHandle.from_bytes,
+             patched(EVENT, EVENT_FIELDS, version=version))
+
+
+@pytest.mark.parametrize("flag", [2, 3, 128, 255])
+def test_event_flag_byte(flag):
+    rejected(f"event flags byte {flag} is not 0 or 1", IpcEventHandle.from_bytes,
+             patched(EVENT, EVENT_FIELDS, block=flag))
+
+
+@pytest.mark.parametrize("field, value", [("reserved", 1), ("reserved", 255), ("padding", b"\x01"),
+                                          ("padding", b"\xff\xff\xff\xff")],
+                         ids=["reserved 1", "reserved 255", "padding 01", "padding ff"])
+def test_event_reserved_bytes_are_rejected_or_kept(field, value):
+    """Reserved bytes must be zero, so that an event handle has one wire form."""
+    rejected("reserved bytes", IpcEventHandle.from_bytes, patched(EVENT, EVENT_FIELDS, **{field: value}))
+
+
+def test_event_host_that_is_not_utf8():
+    """As for array handles."""
+    start, _ = fields_of("host", EVENT_FIELDS)
+    buf = bytearray(EVENT)
+    buf[start + 1] = 0xC3  # a lead byte followed by ASCII
+    rejected("not valid UTF-8", IpcEventHandle.from_bytes, bytes(buf))
+
+
+# --- properties: only HandleError escapes, and anything accepted round trips exactly ------------------------
+# Each property is a @given function run by a plain test. As a test itself, a failing one makes
+# Hypothesis's pytest plugin import libcst to write an @example patch under .hypothesis/patches, and
+# libcst's import-time DeprecationWarning, an error under this project's filterwarnings, aborts the
+# whole session with INTERNALERROR. Run this way, a failure is reported like any other.
+# database=None: nothing is written under .hypothesis/examples; print_blob: a failure can be replayed anyway.
+FUZZ = settings(max_examples=400, deadline=None, database=None, print_blob=True,
+                suppress_health_check=[HealthCheck.too_slow])
+
+seen = collections.Counter()
+
+
+def note(result):
+    seen["accepted" if result is not None else "rejected"] += 1
+    return result
+
+
+def run(check, *, min_accepted=20, min_rejected=20):
+    seen.clear()
+    check()
+    # A property that saw only rejections (or only acceptances) tested half of itself.
+    assert seen["accepted"] >= min_accepted and seen["rejected"] >= min_rejected, seen
+
+
+ARRAY_PREFIX = b"CIPA" + struct.pack("<H", VERSION)
+EVENT_PREFIX = b"CIPE" + struct.pack("<H", VERSION)
+
+valid_handles = st.sampled_from([
+    VALID,
+    make((), (), "complex128", 16, 32).to_bytes(),
+    make((5,), (-2,), "float16", 8, 10).to_bytes(),
+    make((3, 0), (4, 4), kind=Kind.EMPTY).to_bytes(),
+    make((1,) * 64, (8,) * 64, "int64", 8, 16).to_bytes(),
+])
+valid_events = st.sampled_from([EVENT, pack_event(EventFields(bytes(64), False, DeviceId(0, bytes(16)),
+                                                              Producer(1, bytes(16), bytes(16), "")))])
+
+edits = st.lists(st.one_of(
+    st.tuples(st.just("set"), st.integers(0, 2**16), st.integers(0, 255)),
+    st.tuples(st.just("truncate"), st.integers(0, 2**16)),
+    st.tuples(st.just("extend"), st.binary(min_size=1, max_size=64)),
+), min_size=1, max_size=6)
+
+
+def mutate(data, ops):
+    buf = bytearray(data)
+    for op in ops:
+        if op[0] == "set" and buf:
+            buf[op[1] % len(buf)] = op[2]
+        elif op[0] == "truncate":
+            del buf[op[1] % (len(buf) + 1):]
+        elif op[0] == "extend":
+            buf += op[1]
+    return bytes(buf)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=1500), st.binary(max_size=1500).map(ARRAY_PREFIX.__add__)))
+def check_array_arbitrary_bytes(data):
+    note(accepted_or_round_trips(data))
+
+
+def test_fuzz_array_arbitrary_bytes():
+    run(check_array_arbitrary_bytes, min_accepted=0)  # random bytes are practically never a valid handle
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=400), st.binary(min_size=EVENT_RECORD - 6, max_size=EVENT_RECORD - 6)
+                 .map(EVENT_PREFIX.__add__)))
+def check_event_arbitrary_bytes(data):
+    note(event_accepted_or_round_trips(data))
+
+
+def test_fuzz_event_arbitrary_bytes():
+    """Fails on the event reserved-byte and host bugs above."""
+    run(check_event_arbitrary_bytes, min_accepted=0)
+
+
+@FUZZ
+@given(valid_handles, edits)
+def check_array_mutations(data, ops):
+    note(accepted_or_round_trips(mutate(data, ops)))
+
+
+def test_fuzz_array_mutations():
+    """Byte edits, truncations and extensions of valid handles. Fails on the host and dtype bugs above."""
+    run(check_array_mutations, min_accepted=5)  # most edits break a handle; some hit fields left free
+
+
+@FUZZ
+@given(valid_events, edits)
+def check_event_mutations(data, ops):
+    note(event_accepted_or_round_trips(mutate(data, ops)))
+
+
+def test_fuzz_event_mutations():
+    """Fails on the event reserved-byte and host bugs above."""
+    run(check_event_mutations, min_accepted=5)
+
+
+@FUZZ
+@given(valid_handles, edits)
+def check_array_mutations_wrapped(data, ops):
+    data = mutate(data, ops)
+    results = []
+    for wrapped in (bytearray(data), memoryview(data)):
+        try:
+            results.append(IpcArrayHandle.from_bytes(wrapped))
+        except HandleError:
+            results.append(None)
+    assert results[0] == results[1]
+    note(results[0])
+
+
+def test_fuzz_array_mutations_as_bytearray_and_memoryview():
+    run(check_array_mutations_wrapped, min_accepted=5)
+
+
+# Wire headers built field by field, spelling every field the way to_bytes() would, so that the only
+# way to be rejected is validation itself. The verdict is checked against a brute-force reference.
+CANONICAL_DTYPES = [np.dtype(t).str for t in DTYPES]
+BAD_DTYPES = [">f4", ">i8", "|O", "<U1", "|S2", "|V4", "<M8", "<m8", "zz", "", "<f16"]
+
+
+def reference_verdict(kind, flags, dtype_text, shape, strides, offset, allocation_size):
+    """Whether a handle is safe, computed without cupy_ipc: by visiting every element."""
+    if flags & ~3:  # only the keep-alive and event bits are defined
+        return False
+    if kind not in (Kind.LEGACY, Kind.EMPTY) or dtype_text not in CANONICAL_DTYPES or len(shape) > 64:
+        return False
+    if any(n < 0 for n in shape):
+        return False
+    if kind == Kind.EMPTY or 0 in shape:
+        return kind == Kind.EMPTY and 0 in shape
+    dt = np.dtype(dtype_text)
+    if offset % dt.alignment or any(s % dt.alignment for n, s in zip(shape, strides) if n > 1):
+        return False
+    starts = [offset + sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, shape))]
+    return min(starts) >= 0 and max(starts) + dt.itemsize <= allocation_size
+
+
+@st.composite
+def wire_headers(draw):
+    # Weighted towards valid values, so that about half the headers pass and both verdicts are tested.
+    dtype_text = draw(st.sampled_from(CANONICAL_DTYPES * 4 + BAD_DTYPES))
+    itemsize = np.dtype(dtype_text).itemsize if dtype_text in CANONICAL_DTYPES else 4
+    if draw(st.integers(0, 4)):
+        ndim = draw(st.integers(0, 4))
+        shape = draw(st.lists(st.integers(0, 4) | st.integers(-1, 4), min_size=ndim, max_size=ndim))
+    else:  # around the dimension limit; size 1 keeps the reference cheap
+        ndim = draw(st.integers(62, 67))
+        shape = [1] * ndim
+    fitting_kind = Kind.EMPTY if 0 in shape else Kind.LEGACY
+    kind = draw(st.sampled_from([fitting_kind] * 4 + [Kind.LEGACY, Kind.EMPTY, None]))
+    if kind is None:
+        kind = draw(st.integers(0, 255))
+    unit = draw(st.sampled_from([itemsize] * 5 + [1, 2, 3]))
+    strides = [unit * draw(st.integers(-8, 8)) for _ in shape]
+    offset = draw(st.integers(0, 64)) * draw(st.sampled_from([itemsize] * 5 + [1]))
+    allocation_size = draw(st.integers(0, 4096) | st.integers(0, 128))
+    host = draw(st.text(string.ascii_letters + string.digits + "-.", max_size=32)).encode()
+    values = dict(kind=kind, dtype=dtype_text.encode(), offset=offset, allocation_size=allocation_size, host=host,
+                  flags=draw(st.integers(0, 255)), base_ptr=draw(st.integers(0, 2**64 - 1)),
+                  export_id=draw(st.integers(0, 2**64 - 1)), slot=draw(st.integers(0, 2**32 - 1)),
+                  pid=draw(st.integers(-(2**31), 2**31 - 1)), ordinal=draw(st.integers(-(2**31), 2**31 - 1)),
+                  uuid=draw(st.binary(min_size=16, max_size=16)),
+                  event_handle=draw(st.binary(min_size=64, max_size=64)))
+    data = with_dims(patched(VALID, ARRAY_FIELDS, **values), shape, strides)
+    return data, (kind, values["flags"], dtype_text, tuple(shape), tuple(strides), offset, allocation_size)
+
+
+@FUZZ
+@given(wire_headers())
+def check_structured_headers(case):
+    data, args = case
+    h = note(accepted_or_round_trips(data))
+    assert (h is not None) == reference_verdict(*args), args
+
+
+def test_fuzz_structured_headers_against_reference():
+    run(check_structured_headers)
+
+
+# Field values for the constructor: a valid set with any subset of fields replaced. All are well typed
+# (ints, bytes, str, dtypes), so int() and bytes() cannot fail on them and only HandleError may escape.
+BASE_FIELDS = dict(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, dims=((4, 2), (8, 4)), dtype="float32",
+                   device=(0, UUID), producer=PRODUCER, kind=Kind.LEGACY)
+
+
+def field_values(ints, signed64, unsigned64, int32, id16, host):
+    dims = st.integers(0, 4).flatmap(lambda n: st.tuples(
+        st.lists(st.integers(-1, 4) | signed64, min_size=n, max_size=n),
+        st.lists(st.integers(-6, 6).map(lambda k: 4 * k) | signed64, min_size=n, max_size=n)
+        | st.lists(st.integers(-6, 6).map(lambda k: 4 * k), min_size=n, max_size=n + 1),
+    ))
+    return st.fixed_dictionaries({}, optional=dict(
+        dims=dims,
+        dtype=st.sampled_from(DTYPES + list(UNSUPPORTED.values())),
+        offset=st.integers(-8, 64) | unsigned64 | ints,
+        allocation_size=st.integers(-8, 256) | unsigned64 | ints,
+        kind=st.sampled_from([Kind.LEGACY, Kind.EMPTY]) | st.integers(0, 255) | ints,
+        memory_handle=st.binary(min_size=60, max_size=68),
+        device=st.tuples(int32, st.binary(min_size=16, max_size=16) | st.binary(min_size=14, max_size=18)),
+        producer=st.tuples(int32, id16, id16, host),
+    )).map(lambda changes: {**BASE_FIELDS, **changes})
+
+
+def construct(fields):
+    fields = dict(fields)  # the drawn value is printed on failure: leave it as drawn
+    shape, strides = fields.pop("dims")
+    return note(constructed_or_round_trips(shape=shape, strides=strides, **fields))
+
+
+# Values every wire field can hold; the constructor must reject the unsafe ones itself.
+IN_RANGE = field_values(
+    ints=st.integers(-(2**31), 2**31 - 1),
+    signed64=st.integers(-(2**63), 2**63 - 1),
+    unsigned64=st.integers(0, 2**64 - 1),
+    int32=st.integers(-(2**31), 2**31 - 1),
+    id16=st.binary(min_size=16, max_size=16),
+    host=st.one_of(st.text(max_size=8), st.text(string.printable, max_size=32))
+    .filter(lambda s: not s.endswith("\0")),
+)
+
+# Any values of the right types, including ones the wire cannot hold.
+EDGES = st.sampled_from([-1, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63, -(2**63) - 1, 2**64 - 1, 2**64])
+ANY = field_values(ints=st.integers() | EDGES, signed64=st.integers() | EDGES, unsigned64=st.integers() | EDGES,
+                   int32=st.integers() | EDGES, id16=st.binary(max_size=20), host=st.text(max_size=40))
+
+
+@FUZZ
+@given(IN_RANGE)
+def check_constructor_in_range(fields):
+    construct(fields)
+
+
+def test_fuzz_constructor_in_range():
+    run(check_constructor_in_range)
+
+
+@FUZZ
+@given(ANY)
+def check_constructor_any_values(fields):
+    construct(fields)
+
+
+def test_fuzz_constructor_any_values():
+    """Fails on the constructor bugs above (ids, host, integers the wire cannot hold)."""
+    run(check_constructor_any_values, min_accepted=5)  # most of these values must be rejected

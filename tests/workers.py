@@ -1,0 +1,377 @@
+"""Functions that run in helper processes, and the proxy that calls them.
+
+Each helper is a spawned process serving calls over a pipe, so one CUDA
+context serves many checks; exceptions travel back and are re-raised.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+_held: dict[str, Any] = {}  # state a helper keeps between calls
+
+
+# --- the proxy ------------------------------------------------------------------
+class Remote:
+    def __init__(self, ctx: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        self.pid = self.call("getpid")
+
+    def call(self, name: str, *args: Any, timeout: float = 120, **kwargs: Any) -> Any:
+        self.conn.send((name, args, kwargs))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"helper {self.proc.pid} did not answer {name} within {timeout} s")
+        status, value = self.conn.recv()
+        if status == "err":
+            raise value
+        return value
+
+    def send(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Start a call without waiting; collect it with :meth:`result`."""
+        self.conn.send((name, args, kwargs))
+
+    def result(self, timeout: float = 120) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"helper {self.proc.pid} did not answer within {timeout} s")
+        status, value = self.conn.recv()
+        if status == "err":
+            raise value
+        return value
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+def _serve(conn: Any) -> None:
+    import pickle
+
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        name, args, kwargs = msg
+        try:
+            reply = ("ok", globals()[name](*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+            try:
+                pickle.dumps(e)
+            except Exception:
+                e = RuntimeError(f"{type(e).__name__}: {e}")
+            reply = ("err", e)
+        conn.send(reply)
+
+
+# --- helpers used on both sides ------------------------------------------------
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def spin(seconds: float, stream: Any = None) -> None:
+    """Queue a kernel that keeps the GPU busy for about ``seconds``."""
+    import cupy
+
+    kernel = _held.get("spin")
+    if kernel is None:
+        kernel = _held["spin"] = cupy.RawKernel(SPIN_SOURCE, "spin")
+    rate_khz = cupy.cuda.Device().attributes["ClockRate"]
+    cycles = int(seconds * rate_khz * 1000)
+    with stream or cupy.cuda.get_current_stream():
+        kernel((1,), (1,), (np.int64(cycles),))
+
+
+def warm_up() -> None:
+    """Compile and load every kernel a check uses before timing-sensitive work.
+
+    With lazy module loading a first launch can block the host until the GPU
+    is idle, which would hide a missing wait.
+    """
+    import cupy
+
+    spin(0.001)
+    a = cupy.zeros(16, cupy.float32)
+    a.fill(1)
+    a += 1
+    float(a.sum())
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def segments() -> int:
+    from cupy_ipc._segment import _dir
+
+    return sum(1 for n in os.listdir(_dir()) if n.startswith("cupy_ipc-"))
+
+
+# --- consumer calls ------------------------------------------------------------
+def getpid() -> int:
+    return os.getpid()
+
+
+def read(data: bytes) -> np.ndarray:
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    h = IpcArrayHandle.from_bytes(data)
+    with h as arr:
+        out = cupy.asnumpy(arr)
+    del arr
+    return out
+
+
+def read_many(items: list[bytes]) -> list[np.ndarray]:
+    return [read(d) for d in items]
+
+
+def write(data: bytes, value: float) -> None:
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    with IpcArrayHandle.from_bytes(data) as arr:
+        arr[...] = value
+        cupy.cuda.get_current_stream().synchronize()
+    del arr
+
+
+def open_error(data: bytes) -> tuple[str, str, float]:
+    """Try to open; return the exception type, message and seconds taken."""
+    from cupy_ipc import IpcArrayHandle
+
+    t = time.perf_counter()
+    try:
+        arr = IpcArrayHandle.from_bytes(data).open()
+    except Exception as e:
+        return type(e).__name__, str(e), time.perf_counter() - t
+    del arr
+    return "", "", time.perf_counter() - t
+
+
+def open_twice(data: bytes, close_first: int) -> dict[str, Any]:
+    """Open one handle through two handle objects; close them in the given order."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, _mapping
+
+    h = [IpcArrayHandle.from_bytes(data), IpcArrayHandle.from_bytes(data)]
+    arrays = [h[0].open(), h[1].open()]
+    same_ptr = arrays[0].data.ptr == arrays[1].data.ptr
+    mapped_both = _mapping.counts()["mapped"]
+    first, second = close_first, 1 - close_first
+    h[first].close()
+    arrays[first] = None
+    gc.collect()
+    survivor = cupy.asnumpy(arrays[second])
+    mapped_one = _mapping.counts()["mapped"]
+    h[second].close()
+    arrays = None
+    gc.collect()
+    return {
+        "same_ptr": same_ptr, "mapped_both": mapped_both, "mapped_one": mapped_one,
+        "mapped_none": _mapping.counts()["mapped"], "survivor": survivor,
+    }
+
+
+def view_outlives_close(data: bytes) -> dict[str, Any]:
+    import warnings
+
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    h = IpcArrayHandle.from_bytes(data)
+    arr = h.open()
+    view = arr[1:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.close()
+    del arr
+    gc.collect()
+    values = cupy.asnumpy(view)
+    return {"warnings": [(w.category.__name__, str(w.message)) for w in caught], "values": values}
+
+
+def hold(data: bytes, name: str) -> None:
+    from cupy_ipc import IpcArrayHandle
+
+    _held[name] = IpcArrayHandle.from_bytes(data).open()
+
+
+def read_held(name: str) -> np.ndarray:
+    import cupy
+
+    return cupy.asnumpy(_held[name])
+
+
+def drop(name: str) -> None:
+    _held.pop(name, None)
+    gc.collect()
+
+
+def spin_then_drop(data: bytes, seconds: float) -> None:
+    """Queue a long kernel and a write on the mapped array, then drop the array at once."""
+    from cupy_ipc import IpcArrayHandle
+
+    warm_up()
+    arr = IpcArrayHandle.from_bytes(data).open()
+    spin(seconds)
+    arr += 1
+    del arr
+    gc.collect()
+
+
+def read_after_event(arr_data: bytes, event_data: bytes, wait: bool) -> np.ndarray:
+    """Open an array and an event; read with or without waiting on the event."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, IpcEventHandle
+
+    warm_up()
+    ev = IpcEventHandle.from_bytes(event_data).open()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    arr = IpcArrayHandle.from_bytes(arr_data).open(stream=stream)
+    if wait:
+        ev.wait(stream)
+    with stream:
+        out = arr.copy()
+    stream.synchronize()
+    ev.close()
+    return cupy.asnumpy(out)
+
+
+def event_lifecycle(event_data: bytes) -> dict[str, Any]:
+    from cupy_ipc import ClosedError, IpcEventHandle
+
+    ev = IpcEventHandle.from_bytes(event_data).open()
+    opened = ev.opened
+    ev.synchronize()
+    ev.close()
+    ev.close()
+    try:
+        _ = ev.ptr
+        raised = ""
+    except ClosedError as e:
+        raised = str(e)
+    ev2 = IpcEventHandle.from_bytes(event_data).open()
+    fin = ev2._finalizer
+    del ev2
+    gc.collect()
+    return {"opened": opened, "closed": ev.closed, "raised": raised, "gc_destroyed": not fin.alive}
+
+
+def state() -> dict[str, Any]:
+    import cupy
+
+    from cupy_ipc import _events, _mapping
+
+    cupy.cuda.runtime.deviceSynchronize()
+    return {
+        **_mapping.counts(), "events": len(_events._opened), "fds": open_fds(), "segments": segments(),
+        "free_mem": cupy.cuda.runtime.memGetInfo()[0],
+    }
+
+
+def collect() -> None:
+    import cupy_ipc
+
+    gc.collect()
+    cupy_ipc.collect()
+
+
+def read_first(data: bytes) -> float:
+    """Open, read one element, close: one message of the cycle and benchmark loops."""
+    from cupy_ipc import IpcArrayHandle
+
+    with IpcArrayHandle.from_bytes(data) as arr:
+        value = float(arr.ravel()[0])
+    del arr
+    return value
+
+
+def torch_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+# --- producer calls ------------------------------------------------------------
+def export_filled(n: int, value: float, **options: Any) -> bytes:
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.full(n, value, cupy.float32)
+    _held.setdefault("exported", []).append(a)
+    return cupy_ipc.get_ipc_handle(a, **options).to_bytes()
+
+
+def export_then_overwrite(n: int, keepalive: bool, rounds: int = 20) -> bytes:
+    """Export an array of ones, drop it at once, then fill same-size arrays with 99s."""
+    import cupy
+
+    import cupy_ipc
+
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    a = cupy.ones(n, cupy.float32)
+    data = cupy_ipc.get_ipc_handle(a, keepalive=keepalive).to_bytes()
+    del a
+    for _ in range(rounds):
+        b = cupy.full(n, 99, cupy.float32)
+        del b
+    cupy.cuda.runtime.deviceSynchronize()
+    return data
+
+
+def export_after_spin(n: int, seconds: float, sync: bool) -> bytes:
+    """Fill an array after a long kernel and export it at once, with no host sync."""
+    import cupy
+
+    import cupy_ipc
+
+    warm_up()
+    a = cupy.zeros(n, cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    spin(seconds)
+    a.fill(7)
+    _held.setdefault("exported", []).append(a)
+    return cupy_ipc.get_ipc_handle(a, sync=sync).to_bytes()
+
+
+def pinned_count() -> int:
+    import cupy_ipc
+
+    return len(cupy_ipc.pinned())
