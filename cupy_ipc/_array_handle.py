@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 import warnings
@@ -24,8 +25,10 @@ from ._wire import (
     Kind,
     dtype_of,
     pack_array,
+    splice,
     unpack_array,
     validate_array,
+    with_export,
 )
 
 __all__ = ["IpcArrayHandle", "get_ipc_handle"]
@@ -55,13 +58,14 @@ def _memory_handle(base: int, buffer_id: int) -> bytes:
     return raw
 
 
-# Allocation facts per live cupy.ndarray: its pointer cannot change while it
-# lives, so a re-sent array skips the driver query.
-_by_array: dict[int, tuple[Any, _cuda.PointerInfo, bytes]] = {}
+# The validated handle of each live cupy.ndarray exported, without its export
+# part: an array's pointer, layout and allocation cannot change while it lives,
+# so a re-sent array costs no driver query, no validation and no packing.
+_by_array: dict[int, tuple[Any, ArrayFields, bytes]] = {}
 
 
-def _allocation(arr: Any, cacheable: bool) -> tuple[_cuda.PointerInfo, bytes]:
-    """The allocation behind a non-empty array and its memory handle."""
+def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, bytes]:
+    """The handle fields of a non-empty array with no export part, and their wire form."""
     key = id(arr)
     hit = _by_array.get(key)
     if hit is not None and hit[0]() is arr:
@@ -75,7 +79,14 @@ def _allocation(arr: Any, cacheable: bool) -> tuple[_cuda.PointerInfo, bytes]:
             "API, which CUDA IPC memory handles cannot share; allocate it with cudaMalloc "
             "(CuPy's default MemoryPool)"
         )
-    handle = _memory_handle(info.base, info.buffer_id)
+    device = arr.data.device_id
+    fields = ArrayFields(
+        Kind.LEGACY, 0, dtype, _memory_handle(info.base, info.buffer_id), arr.data.ptr - info.base, info.size,
+        info.base, info.buffer_id, DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE,
+        arr.shape, arr.strides,
+    )
+    validate_array(fields)
+    static = pack_array(fields)
     if cacheable:
         cache = _by_array  # bound here: the callback may run while the module is torn down
 
@@ -84,8 +95,8 @@ def _allocation(arr: Any, cacheable: bool) -> tuple[_cuda.PointerInfo, bytes]:
             if hit is not None and hit[0] is ref:
                 del cache[key]
 
-        _by_array[key] = (weakref.ref(arr, forget), info, handle)
-    return info, handle
+        _by_array[key] = (weakref.ref(arr, forget), fields, static)
+    return fields, static
 
 
 def _as_cupy(array: Any) -> Any:
@@ -163,24 +174,21 @@ def get_ipc_handle(
         raise ValueError("lease must be a positive number of seconds")
     arr = _as_cupy(array)
     dtype = dtype_of(arr.dtype)
-    me = this_process()
     device = arr.data.device_id
-    uuid = _cuda.device_uuid(device)
-    shape, strides = arr.shape, arr.strides
     if arr.size == 0:
-        fields = ArrayFields(Kind.EMPTY, 0, dtype, _NO_HANDLE, 0, 0, 0, 0, DeviceId(device, uuid), me,
-                             0, 0, _NO_HANDLE, shape, strides)
+        fields = ArrayFields(Kind.EMPTY, 0, dtype, _NO_HANDLE, 0, 0, 0, 0, DeviceId(device, _cuda.device_uuid(device)),
+                             this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides)
         return IpcArrayHandle._make(fields)
-    info, mem_handle = _allocation(arr, cacheable=arr is array)
+    template, static = _template(arr, dtype, cacheable=arr is array)
     export_id = slot = 0
     event = _NO_HANDLE
     flags = 0
     if keepalive or sync:
         with _cuda.using_device(device):
             export_id, slot, ev = _keepalive.pin(
-                array if keepalive else None, nbytes=info.size, device=device, consumers=consumers,
+                array if keepalive else None, nbytes=template.allocation_size, device=device, consumers=consumers,
                 lease=lease, stream_ptr=_cuda.stream_ptr(stream) if sync else None,
-                description=(shape, dtype),
+                description=(arr.shape, dtype),
             )
         if keepalive:
             flags |= FLAG_KEEPALIVE
@@ -188,13 +196,16 @@ def get_ipc_handle(
             flags |= FLAG_EVENT
             event = ev
     else:
-        _segment.own_segment(me.token)  # lets consumers tell that we are alive
-    fields = ArrayFields(
-        Kind.LEGACY, flags, dtype, mem_handle, arr.data.ptr - info.base, info.size, info.base,
-        info.buffer_id, DeviceId(device, uuid), me, export_id, slot, event, shape, strides,
-    )
-    validate_array(fields)
-    return IpcArrayHandle._make(fields)
+        _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
+    return IpcArrayHandle._make(with_export(template, flags, export_id, slot, event),
+                                splice(static, flags, export_id, slot, event))
+
+
+def _forget_after_fork() -> None:
+    _by_array.clear()  # the templates carry the parent's identity
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class IpcArrayHandle:
@@ -221,7 +232,7 @@ class IpcArrayHandle:
         True
     """
 
-    __slots__ = ("_f", "_opened", "__weakref__")
+    __slots__ = ("_f", "_wire", "_opened", "__weakref__")
 
     def __init__(
         self,
@@ -243,12 +254,14 @@ class IpcArrayHandle:
         )
         validate_array(fields)
         object.__setattr__(self, "_f", fields)
+        object.__setattr__(self, "_wire", None)
         object.__setattr__(self, "_opened", [])
 
     @classmethod
-    def _make(cls, fields: ArrayFields) -> "IpcArrayHandle":
+    def _make(cls, fields: ArrayFields, wire: bytes | None = None) -> "IpcArrayHandle":
         h = cls.__new__(cls)
         object.__setattr__(h, "_f", fields)
+        object.__setattr__(h, "_wire", wire)  # only canonical bytes are accepted, so they are the wire form
         object.__setattr__(h, "_opened", [])
         return h
 
@@ -279,11 +292,14 @@ class IpcArrayHandle:
         Raises:
             HandleError: The bytes are malformed or describe memory unsafely.
         """
-        return cls._make(unpack_array(data))
+        fields = unpack_array(data)
+        return cls._make(fields, bytes(data))
 
     def to_bytes(self) -> bytes:
         """The wire form: versioned, fixed layout, no pickle inside."""
-        return pack_array(self._f)
+        if self._wire is None:
+            object.__setattr__(self, "_wire", pack_array(self._f))
+        return self._wire
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (IpcArrayHandle.from_bytes, (self.to_bytes(),))
@@ -347,7 +363,9 @@ class IpcArrayHandle:
                 producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
             )
             if f.flags & FLAG_EVENT and not own:
-                open_cached(f.event_handle, device, f.producer).wait(stream_obj)
+                ev = open_cached(f.event_handle, device, f.producer)
+                if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
+                    ev.wait(stream_obj)
             elif f.flags & FLAG_EVENT:
                 _keepalive.wait_own_event(f.export_id, stream_obj)
             mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)

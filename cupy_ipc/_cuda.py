@@ -7,9 +7,8 @@ that the package imports, and its handles validate, on machines with no GPU.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 from ._errors import HandleError, IpcError
 
@@ -59,30 +58,44 @@ def call(what: str, fn: Callable[..., T], *args: Any, error: type[IpcError] = Ip
         >>> call("adding", lambda a, b: a + b, 1, 2)
         3
     """
-    from cupy_backends.cuda.api.runtime import CUDARuntimeError
-
     try:
         return fn(*args)
-    except CUDARuntimeError as e:
+    except _runtime_error() as e:
         name = _cuda_error_name(e)
         hint = _HINTS.get(name)
         raise error(f"{what} failed: {e}" + (f" ({hint})" if hint else ""), cuda_error=name) from e
 
 
-@contextlib.contextmanager
-def using_device(ordinal: int) -> Iterator[None]:
-    """Make ``ordinal`` the current device, restoring the previous one after."""
-    from cupy.cuda import runtime
+@functools.lru_cache(maxsize=None)
+def _runtime_error() -> type[Exception]:
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
 
-    previous = runtime.getDevice()
-    if previous == ordinal:
-        yield
-        return
-    runtime.setDevice(ordinal)
-    try:
-        yield
-    finally:
-        runtime.setDevice(previous)
+    return CUDARuntimeError
+
+
+class using_device:
+    """Make ``ordinal`` the current device, restoring the previous one after.
+
+    A class rather than a generator: it runs on every export and open.
+    """
+
+    __slots__ = ("ordinal", "previous")
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+
+    def __enter__(self) -> None:
+        from cupy.cuda import runtime
+
+        self.previous = runtime.getDevice()
+        if self.previous != self.ordinal:
+            runtime.setDevice(self.ordinal)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous != self.ordinal:
+            from cupy.cuda import runtime
+
+            runtime.setDevice(self.previous)
 
 
 def unavailable_reason() -> str | None:
@@ -219,7 +232,10 @@ def stream_idle(ptr: int) -> bool:
     """True when every piece of work queued on the stream has finished (``cudaStreamQuery``)."""
     from cupy.cuda import runtime
 
-    return call("querying a stream", runtime.streamQuery, ptr) == 0
+    try:
+        return runtime.streamQuery(ptr) == 0
+    except _runtime_error():
+        return call("querying a stream", runtime.streamQuery, ptr) == 0  # raises with the CUDA name
 
 
 def stream_ptr(stream: Any) -> int:

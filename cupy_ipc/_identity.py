@@ -45,7 +45,6 @@ def host_name() -> str:
 
 
 _BOOT_ID = _read_boot_id()
-_current: Producer | None = None
 
 
 def boot_id() -> bytes:
@@ -53,9 +52,21 @@ def boot_id() -> bytes:
     return _BOOT_ID
 
 
-def this_process() -> Producer:
-    """The identity of this process, fresh after a fork."""
+def _new_identity() -> Producer:
+    return Producer(os.getpid(), secrets.token_bytes(16), _BOOT_ID, host_name())
+
+
+_current = _new_identity()
+
+
+def _after_fork() -> None:
     global _current
-    if _current is None or _current.pid != os.getpid():
-        _current = Producer(os.getpid(), secrets.token_bytes(16), _BOOT_ID, host_name())
+    _current = _new_identity()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def this_process() -> Producer:
+    """The identity of this process (a forked child gets its own)."""
     return _current

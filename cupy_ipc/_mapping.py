@@ -91,8 +91,10 @@ def set_idle_mapping_limit(n: int) -> int:
 
 
 def _trim_idle() -> None:
+    # Evicted mappings are unmapped on the background thread: off the path of the open that evicted them.
     while len(_idle) > _idle_limit:
-        _idle.popitem(last=False)[1].unmap()
+        m = _idle.popitem(last=False)[1]
+        _reaper().put((None, m.device, m.unmap, ()))
 
 
 def collect_idle() -> int:
@@ -250,14 +252,15 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
     except Exception as e:  # destructor path: keep the memory pinned rather than raise
         warnings.warn(f"cupy_ipc could not order the release of a mapping: {e}", RuntimeWarning, stacklevel=2)
         return
-    _reaper().put((done, device, mapping_key, claim_key))
+    _reaper().put((done, device, _finish, (mapping_key, claim_key)))
 
 
 _queue: "queue.SimpleQueue[Any] | None" = None
 
 
 def _reaper() -> "queue.SimpleQueue[Any]":
-    # Waits for consumers' GPU work on released mappings without blocking them.
+    # Waits for consumers' GPU work on released mappings, and unmaps evicted
+    # ones, without blocking the threads that use the library.
     global _queue
     with _lock:
         if _queue is None:
@@ -270,13 +273,14 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
     from cupy.cuda import runtime
 
     while True:
-        done, device, mapping_key, claim_key = q.get()
+        done, device, then, args = q.get()
         try:
             runtime.setDevice(device)
-            done.synchronize()
+            if done is not None:
+                done.synchronize()
         except Exception as e:
             warnings.warn(f"cupy_ipc: waiting for a consumer's work failed: {e}", RuntimeWarning, stacklevel=1)
-        _finish(mapping_key, claim_key)
+        then(*args)
 
 
 def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,

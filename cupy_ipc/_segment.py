@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import mmap
 import os
 import struct
 import tempfile
@@ -32,6 +33,7 @@ FREE, PINNED, REVOKED = 0, 1, 2
 
 _RECORD = struct.Struct("<QII")
 _DATA_START = 64
+_INITIAL_SLOTS = 1024
 _LOCK_BASE = 1 << 40  # lock bytes live far past the data; locks need no backing bytes
 ALIVE = _LOCK_BASE
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
@@ -74,6 +76,7 @@ class Segment:
     def __init__(self, fd: int, path: str) -> None:
         self.fd = fd
         self.path = path
+        self.mm: mmap.mmap | None = None  # the producer's own view of its records
 
     @classmethod
     def create(cls, token: bytes) -> "Segment":
@@ -83,7 +86,15 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         seg = cls(fd, path)
         seg.lock(ALIVE, READ)
+        seg._grow(_INITIAL_SLOTS)
         return seg
+
+    def _grow(self, slots: int) -> None:
+        size = _DATA_START + slots * _RECORD.size
+        os.ftruncate(self.fd, size)
+        if self.mm is not None:
+            self.mm.close()
+        self.mm = mmap.mmap(self.fd, size)
 
     @classmethod
     def attach(cls, token: bytes, *, pid: int) -> "Segment":
@@ -109,6 +120,9 @@ class Segment:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
         os.close(self.fd)
         self.fd = -1
 
@@ -135,7 +149,10 @@ class Segment:
 
     # --- records -----------------------------------------------------------
     def read(self, slot: int) -> tuple[int, int, int]:
-        raw = os.pread(self.fd, _RECORD.size, _DATA_START + slot * _RECORD.size)
+        at = _DATA_START + slot * _RECORD.size
+        if self.mm is not None and at + _RECORD.size <= len(self.mm):
+            return _RECORD.unpack_from(self.mm, at)
+        raw = os.pread(self.fd, _RECORD.size, at)
         if len(raw) < _RECORD.size:
             return 0, 0, FREE
         return _RECORD.unpack(raw)
@@ -144,6 +161,8 @@ class Segment:
         """The ``opens`` counts of several slots, with one read of the file."""
         if not slots:
             return []
+        if self.mm is not None:
+            return [self.read(s)[1] for s in slots]
         raw = os.pread(self.fd, (max(slots) + 1) * _RECORD.size, _DATA_START)
         return [
             _RECORD.unpack_from(raw, s * _RECORD.size)[1] if (s + 1) * _RECORD.size <= len(raw) else 0
@@ -151,7 +170,13 @@ class Segment:
         ]
 
     def write(self, slot: int, export_id: int, state: int, opens: int = 0) -> None:
-        os.pwrite(self.fd, _RECORD.pack(export_id, opens, state), _DATA_START + slot * _RECORD.size)
+        at = _DATA_START + slot * _RECORD.size
+        if self.mm is not None:
+            if at + _RECORD.size > len(self.mm):
+                self._grow(2 * slot + 1)
+            _RECORD.pack_into(self.mm, at, export_id, opens, state)
+        else:
+            os.pwrite(self.fd, _RECORD.pack(export_id, opens, state), at)
 
 
 # --- this process's own segment, and the segments of producers it opened from ---
@@ -190,6 +215,8 @@ def _forget_after_fork() -> None:
     global _own
     for seg in [_own, *_attached.values()]:
         if seg is not None:
+            if seg.mm is not None:
+                seg.mm.close()
             os.close(seg.fd)
     _own = None
     _attached.clear()

@@ -54,6 +54,10 @@ class Kind:
 
 _ARRAY = struct.Struct("<4sHBBB4s64sQQQQi16si16s16s32sQI64s")
 _EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
+# What changes between two exports of one array: flags (offset 7), and export
+# id, slot and event (offset 197). The rest is the array's static part.
+_DYNAMIC = struct.Struct("<QI64s")
+_DYNAMIC_AT = 197
 _FLAGS = FLAG_KEEPALIVE | FLAG_EVENT
 _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 31), (0, 1 << 32)
 _HOST_BYTES = 32
@@ -109,8 +113,9 @@ class EventFields(NamedTuple):
 
 def dtype_of(value: object) -> np.dtype:
     """The dtype a handle may carry, or :class:`HandleError`."""
-    if isinstance(value, str) and value in _DTYPES:
-        return _DTYPES[value]
+    key = value.str if isinstance(value, np.dtype) else value
+    if isinstance(key, str) and key in _DTYPES:
+        return _DTYPES[key]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # numpy deprecates some aliases: refuse them too
@@ -234,6 +239,18 @@ def _host(raw: bytes) -> str:
         raise HandleError("host field is not valid UTF-8") from None
 
 
+def with_export(f: ArrayFields, flags: int, export_id: int, slot: int, event_handle: bytes) -> ArrayFields:
+    """The fields of ``f`` with another export's dynamic part."""
+    return ArrayFields(f.kind, flags, f.dtype, f.memory_handle, f.offset, f.allocation_size, f.base_ptr,
+                       f.buffer_id, f.device, f.producer, export_id, slot, event_handle, f.shape, f.strides)
+
+
+def splice(static: bytes, flags: int, export_id: int, slot: int, event_handle: bytes) -> bytes:
+    """The wire form of another export of an array whose wire form is ``static``."""
+    return b"".join((static[:7], bytes((flags,)), static[8:_DYNAMIC_AT],
+                     _DYNAMIC.pack(export_id, slot, event_handle), static[ARRAY_HEADER:]))
+
+
 def pack_array(f: ArrayFields) -> bytes:
     ndim = len(f.shape)
     head = _ARRAY.pack(
@@ -245,9 +262,29 @@ def pack_array(f: ArrayFields) -> bytes:
     return head + struct.pack(f"<{2 * ndim}q", *f.shape, *f.strides)
 
 
+# Validated static parts of received handles: a re-sent array parses once.
+_parsed: dict[bytes, ArrayFields] = {}
+_PARSED_MAX = 1024
+
+
 def unpack_array(data: object) -> ArrayFields:
     """Parse and validate an array handle; only :class:`HandleError` escapes."""
     raw = _header(data, ARRAY_MAGIC, "array handle", ARRAY_HEADER)
+    flags = raw[7]
+    if flags & ~_FLAGS:
+        raise HandleError(f"unknown flag bits 0x{flags & ~_FLAGS:x}")
+    key = raw[:7] + raw[8:_DYNAMIC_AT] + raw[ARRAY_HEADER:]
+    static = _parsed.get(key)
+    if static is None:
+        static = _parse(raw[:7] + b"\0" + raw[8:_DYNAMIC_AT] + _DYNAMIC.pack(0, 0, bytes(HANDLE_BYTES))
+                        + raw[ARRAY_HEADER:])
+        if len(_parsed) >= _PARSED_MAX:
+            _parsed.clear()
+        _parsed[key] = static
+    return with_export(static, flags, *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT))
+
+
+def _parse(raw: bytes) -> ArrayFields:
     (_, _, kind, flags, ndim, dtype, mem, offset, size, base, buffer_id, ordinal, uuid, pid,
      token, boot, host, export_id, slot, event) = _ARRAY.unpack_from(raw)
     if ndim > MAX_NDIM:

@@ -236,3 +236,23 @@ def test_record_written_by_child_is_read_by_parent(token, start):
         assert seg.read(8) == (0, 0, FREE)
     finally:
         seg.close(unlink=True)
+
+
+def test_records_beyond_the_first_mapping_are_shared():
+    """The producer's mapped view grows; another open file reads the same records."""
+    token = secrets.token_bytes(16)
+    seg = Segment.create(token)
+    try:
+        for slot in (0, 1023, 1024, 5000):
+            seg.write(slot, slot + 1, PINNED, opens=slot % 7)
+        other = Segment.attach(token, pid=os.getpid())
+        try:
+            for slot in (0, 1023, 1024, 5000):
+                assert other.read(slot) == (slot + 1, slot % 7, PINNED)
+            other.write(5000, 5001, PINNED, opens=3)
+            assert seg.read(5000) == (5001, 3, PINNED)
+            assert seg.read_opens([0, 5000]) == [0, 3]
+        finally:
+            other.close()
+    finally:
+        seg.close(unlink=True)

@@ -642,7 +642,8 @@ def wire_headers(draw):
     allocation_size = draw(st.integers(0, 4096) | st.integers(0, 128))
     host = draw(st.text(string.ascii_letters + string.digits + "-.", max_size=32)).encode()
     values = dict(kind=kind, dtype=dtype_text.encode(), offset=offset, allocation_size=allocation_size, host=host,
-                  flags=draw(st.integers(0, 255)), base_ptr=draw(st.integers(0, 2**64 - 1)),
+                  flags=draw(st.sampled_from([0, 1, 2, 3] * 8) | st.integers(0, 255)),
+                  base_ptr=draw(st.integers(0, 2**64 - 1)),
                   export_id=draw(st.integers(0, 2**64 - 1)), slot=draw(st.integers(0, 2**32 - 1)),
                   pid=draw(st.integers(-(2**31), 2**31 - 1)), ordinal=draw(st.integers(-(2**31), 2**31 - 1)),
                   uuid=draw(st.binary(min_size=16, max_size=16)),
