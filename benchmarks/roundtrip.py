@@ -17,6 +17,10 @@ ack, timed by the producer. Methods:
 previous one is freed, untimed, after its ack). *re-sent*: the same buffer
 every message, so handles and mappings may be reused where a method can.
 
+The methods run in ``--rounds`` rounds, in a rotated order each round, and the
+samples of all rounds are pooled: a machine whose speed drifts during the run
+then shifts every method alike, and the ratios stay fair.
+
 Usage::
 
     python benchmarks/roundtrip.py --sizes 1MiB --iters 1000 --json results.json
@@ -219,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1MiB", help="comma-separated sizes, e.g. 4KiB,1MiB,64MiB")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--iters", type=int, default=1000)
+    parser.add_argument("--iters", type=int, default=1000, help="messages per case, over all rounds")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write the table here")
@@ -233,24 +238,31 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     methods = [m for m in args.methods.split(",") if available(m)]
-    results = []
-    for nbytes in sizes:
-        for method in methods:
-            for resent in (False, True):
-                if method == "bare" and resent:
+    cases = [(nbytes, method, resent) for nbytes in sizes for method in methods for resent in (False, True)
+             if not (method == "bare" and resent)]
+    samples: dict[tuple[int, str, bool], list[float]] = {case: [] for case in cases}
+    for r in range(args.rounds):
+        for i in range(len(methods)):
+            method = methods[(i + r) % len(methods)]
+            for nbytes, m, resent in cases:
+                if m != method:
                     continue
-                iters = max(3, min(args.iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
+                total = max(3, min(args.iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
+                iters = max(1, total // args.rounds)
                 warmup = min(args.warmup, max(2, iters // 10))
                 t = measure(method, nbytes, resent, iters, warmup)
-                row = {
-                    "method": method, "bytes": nbytes, "resent": resent, "iters": len(t),
-                    "median_us": statistics.median(t) * 1e6,
-                    "p10_us": statistics.quantiles(t, n=10)[0] * 1e6 if len(t) >= 10 else min(t) * 1e6,
-                    "p90_us": statistics.quantiles(t, n=10)[-1] * 1e6 if len(t) >= 10 else max(t) * 1e6,
-                }
-                results.append(row)
-                print(f"{size_label(nbytes):>8} {method:<9} {'re-sent' if resent else 'fresh':<8} "
-                      f"median {row['median_us']:10.1f} us  ({len(t)} messages)", flush=True)
+                samples[(nbytes, method, resent)].extend(t)
+                print(f"round {r + 1}/{args.rounds} {size_label(nbytes):>8} {method:<9} "
+                      f"{'re-sent' if resent else 'fresh':<8} median {statistics.median(t) * 1e6:10.1f} us "
+                      f"({len(t)} messages)", flush=True)
+    results = []
+    for (nbytes, method, resent), t in samples.items():
+        results.append({
+            "method": method, "bytes": nbytes, "resent": resent, "iters": len(t),
+            "median_us": statistics.median(t) * 1e6,
+            "p10_us": statistics.quantiles(t, n=10)[0] * 1e6 if len(t) >= 10 else min(t) * 1e6,
+            "p90_us": statistics.quantiles(t, n=10)[-1] * 1e6 if len(t) >= 10 else max(t) * 1e6,
+        })
     doc = {"environment": environment(), "results": results}
     table = markdown(doc)
     print(table)
@@ -274,6 +286,14 @@ def markdown(doc: dict[str, Any]) -> str:
         kind = "re-sent" if r["resent"] else ("message" if r["method"] == "bare" else "fresh")
         lines.append(f"| {size_label(r['bytes'])} | {kind} | {r['method']} | {r['median_us']:.1f} | "
                      f"{r['p10_us']:.0f}–{r['p90_us']:.0f} | {ratio} |")
+    median = {(r["method"], r["bytes"], r["resent"]): r["median_us"] for r in rows}
+    lines += ["", "| size | kind | cupy_ipc ÷ raw | torch ÷ cupy_ipc | staging ÷ cupy_ipc |", "|---|---|---:|---:|---:|"]
+    for (nbytes, resent), ref in ours.items():
+        cells = []
+        for num, den in (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("staging", "cupy_ipc")):
+            a, b = median.get((num, nbytes, resent)), median.get((den, nbytes, resent))
+            cells.append(f"{a / b:.2f}" if a and b else "")
+        lines.append(f"| {size_label(nbytes)} | {'re-sent' if resent else 'fresh'} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -355,7 +355,7 @@ class IpcArrayHandle:
         # process it is a second open file, so that our locks are separate.
         seg = _segment.attach(f.producer.token, f.producer.pid)
         with _cuda.using_device(device):
-            stream_obj = _cuda.as_cupy_stream(stream)
+            stream_obj = cupy.cuda.get_current_stream() if stream is None else _cuda.as_cupy_stream(stream)
             ptr, lease = _mapping.acquire(
                 key=(device, f.kind, f.memory_handle) if not own else (device, "own", f.buffer_id),
                 device=device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,

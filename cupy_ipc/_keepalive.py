@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from . import _cuda, _segment
 from ._events import IpcEvent
 from ._identity import this_process
-from ._segment import FREE, PINNED, REVOKED, WRITE, in_use, mutex
+from ._segment import FREE, PINNED, REVOKED, WRITE, in_use
 
 __all__ = ["PinInfo", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
 
@@ -111,12 +111,9 @@ def lookup(export_id: int) -> Any:
 
 
 def _revoke(seg: _segment.Segment, p: _Pin) -> None:
-    seg.lock(mutex(p.slot), WRITE)
-    try:
-        export_id, opens, _ = seg.read(p.slot)
-        seg.write(p.slot, export_id, REVOKED, opens)
-    finally:
-        seg.unlock(mutex(p.slot))
+    # A consumer that read PINNED just before this still holds the in-use
+    # lock, so the memory stays until it is done: revoking only stops new opens.
+    seg.write_state(p.slot, REVOKED)
     p.revoked = True
 
 

@@ -121,25 +121,39 @@ def _claim(seg: _segment.Segment, token: bytes, pid: int, export_id: int, slot: 
         if c is not None:
             c.count += 1
             return key
-        seg.lock(_segment.in_use(slot), _segment.READ)
-        try:
-            seg.lock(_segment.mutex(slot), _segment.WRITE)
+        in_use = _segment.in_use(slot)
+        if seg.lock(in_use, _segment.WRITE, wait=False):
+            # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
             try:
-                seen, opens, state = seg.read(slot)
-                if seen != export_id or state != _segment.PINNED:
-                    raise IpcError(
-                        f"the producer (pid {pid}) no longer shares this memory: its lease ran out, "
-                        "it called release(), or as many consumers as it allowed have opened it"
-                    )
-                seg.write(slot, export_id, state, opens + 1)
-            finally:
-                seg.unlock(_segment.mutex(slot))
-        except BaseException:
-            seg.unlock(_segment.in_use(slot))
-            raise
+                _count_open(seg, pid, export_id, slot)
+            except BaseException:
+                seg.unlock(in_use)
+                raise
+            seg.lock(in_use, _segment.READ)
+        else:  # other consumers hold it: share it, and count under the slot's mutex
+            seg.lock(in_use, _segment.READ)
+            try:
+                seg.lock(_segment.mutex(slot), _segment.WRITE)
+                try:
+                    _count_open(seg, pid, export_id, slot)
+                finally:
+                    seg.unlock(_segment.mutex(slot))
+            except BaseException:
+                seg.unlock(in_use)
+                raise
         c = _claims[key] = _Claim(seg, slot)
         c.count = 1
         return key
+
+
+def _count_open(seg: _segment.Segment, pid: int, export_id: int, slot: int) -> None:
+    seen, opens, state = seg.read(slot)
+    if seen != export_id or state != _segment.PINNED:
+        raise IpcError(
+            f"the producer (pid {pid}) no longer shares this memory: its lease ran out, "
+            "it called release(), or as many consumers as it allowed have opened it"
+        )
+    seg.write_opens(slot, opens + 1)
 
 
 def _unclaim(key: tuple[bytes, int] | None) -> None:

@@ -32,6 +32,7 @@ __all__ = ["Segment", "attach", "own_segment", "segment_path", "FREE", "PINNED",
 FREE, PINNED, REVOKED = 0, 1, 2
 
 _RECORD = struct.Struct("<QII")
+_U32 = struct.Struct("<I")
 _DATA_START = 64
 _INITIAL_SLOTS = 1024
 _LOCK_BASE = 1 << 40  # lock bytes live far past the data; locks need no backing bytes
@@ -73,10 +74,11 @@ class Segment:
         >>> seg.close(unlink=True)
     """
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, *, owner: bool) -> None:
         self.fd = fd
         self.path = path
-        self.mm: mmap.mmap | None = None  # the producer's own view of its records
+        self.owner = owner  # only the producer grows its file
+        self.mm: mmap.mmap | None = None  # a shared view of the records
 
     @classmethod
     def create(cls, token: bytes) -> "Segment":
@@ -84,17 +86,26 @@ class Segment:
             raise IpcError("cupy_ipc needs Linux open-file-description locks (F_OFD_SETLK)")
         path = segment_path(token)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        seg = cls(fd, path)
+        seg = cls(fd, path, owner=True)
         seg.lock(ALIVE, READ)
-        seg._grow(_INITIAL_SLOTS)
+        os.ftruncate(fd, _DATA_START + _INITIAL_SLOTS * _RECORD.size)
+        seg._remap()
         return seg
 
-    def _grow(self, slots: int) -> None:
-        size = _DATA_START + slots * _RECORD.size
-        os.ftruncate(self.fd, size)
+    def _remap(self) -> None:
         if self.mm is not None:
             self.mm.close()
-        self.mm = mmap.mmap(self.fd, size)
+        size = os.fstat(self.fd).st_size
+        self.mm = mmap.mmap(self.fd, size) if size else None
+
+    def _reach(self, at: int) -> bool:
+        """Whether the mapped view covers the record at ``at``, growing or remapping it if needed."""
+        if self.mm is not None and at + _RECORD.size <= len(self.mm):
+            return True
+        if self.owner:
+            os.ftruncate(self.fd, 2 * at + _RECORD.size)
+        self._remap()
+        return self.mm is not None and at + _RECORD.size <= len(self.mm)
 
     @classmethod
     def attach(cls, token: bytes, *, pid: int) -> "Segment":
@@ -110,7 +121,9 @@ class Segment:
             raise ProducerExitedError(
                 f"the producer process (pid {pid}) has exited: its segment {path} is gone", pid=pid
             ) from None
-        return cls(fd, path)
+        seg = cls(fd, path, owner=False)
+        seg._remap()
+        return seg
 
     def close(self, *, unlink: bool = False) -> None:
         if self.fd < 0:
@@ -150,33 +163,27 @@ class Segment:
     # --- records -----------------------------------------------------------
     def read(self, slot: int) -> tuple[int, int, int]:
         at = _DATA_START + slot * _RECORD.size
-        if self.mm is not None and at + _RECORD.size <= len(self.mm):
-            return _RECORD.unpack_from(self.mm, at)
-        raw = os.pread(self.fd, _RECORD.size, at)
-        if len(raw) < _RECORD.size:
-            return 0, 0, FREE
-        return _RECORD.unpack(raw)
+        if not self._reach(at):
+            return 0, 0, FREE  # past the end: never written
+        return _RECORD.unpack_from(self.mm, at)  # type: ignore[arg-type]
 
     def read_opens(self, slots: list[int]) -> list[int]:
-        """The ``opens`` counts of several slots, with one read of the file."""
-        if not slots:
-            return []
-        if self.mm is not None:
-            return [self.read(s)[1] for s in slots]
-        raw = os.pread(self.fd, (max(slots) + 1) * _RECORD.size, _DATA_START)
-        return [
-            _RECORD.unpack_from(raw, s * _RECORD.size)[1] if (s + 1) * _RECORD.size <= len(raw) else 0
-            for s in slots
-        ]
+        """The ``opens`` counts of several slots."""
+        return [self.read(s)[1] for s in slots]
 
     def write(self, slot: int, export_id: int, state: int, opens: int = 0) -> None:
         at = _DATA_START + slot * _RECORD.size
-        if self.mm is not None:
-            if at + _RECORD.size > len(self.mm):
-                self._grow(2 * slot + 1)
-            _RECORD.pack_into(self.mm, at, export_id, opens, state)
-        else:
-            os.pwrite(self.fd, _RECORD.pack(export_id, opens, state), at)
+        if not self._reach(at):
+            raise IpcError(f"slot {slot} lies past the end of the producer's segment {self.path}")
+        _RECORD.pack_into(self.mm, at, export_id, opens, state)  # type: ignore[arg-type]
+
+    # Consumers write only ``opens`` and the producer's revoke only ``state``:
+    # neither can undo the other's write.
+    def write_opens(self, slot: int, opens: int) -> None:
+        _U32.pack_into(self.mm, _DATA_START + slot * _RECORD.size + 8, opens)  # type: ignore[arg-type]
+
+    def write_state(self, slot: int, state: int) -> None:
+        _U32.pack_into(self.mm, _DATA_START + slot * _RECORD.size + 12, state)  # type: ignore[arg-type]
 
 
 # --- this process's own segment, and the segments of producers it opened from ---

@@ -23,7 +23,7 @@ $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "
 cpu_rc=$?
 $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
 demo_rc=$?
-$PY benchmarks/roundtrip.py --sizes ${BENCH_SIZES:-1MiB} --iters ${BENCH_ITERS:-1000} \
+$PY benchmarks/roundtrip.py --sizes ${BENCH_SIZES:-1MiB} --iters ${BENCH_ITERS:-1500} --rounds ${BENCH_ROUNDS:-3} \
     --json "$OUT/roundtrip.json" --markdown "$OUT/roundtrip.md" 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 
