@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
-import threading
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -28,6 +26,7 @@ from ._wire import (
     splice,
     unpack_array,
     validate_array,
+    validate_layout,
     with_export,
 )
 
@@ -36,25 +35,20 @@ __all__ = ["IpcArrayHandle", "get_ipc_handle"]
 _NO_HANDLE = bytes(64)
 
 # Memory handles by the driver's buffer id, which is never reused in a process,
-# so re-exporting an allocation skips cudaIpcGetMemHandle.
-_handle_cache: "collections.OrderedDict[int, bytes]" = collections.OrderedDict()
-_handle_cache_lock = threading.Lock()
+# so a new array in an allocation exported before skips cudaIpcGetMemHandle.
+_handle_cache: dict[int, bytes] = {}
 _HANDLE_CACHE_SIZE = 4096
 
 
 def _memory_handle(base: int, buffer_id: int) -> bytes:
-    with _handle_cache_lock:
-        raw = _handle_cache.get(buffer_id)
-        if raw is not None:
-            _handle_cache.move_to_end(buffer_id)
-            return raw
-    from cupy.cuda import runtime
+    raw = _handle_cache.get(buffer_id)
+    if raw is None:
+        from cupy.cuda import runtime
 
-    raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
-    with _handle_cache_lock:
+        raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
+        if len(_handle_cache) >= _HANDLE_CACHE_SIZE:
+            _handle_cache.clear()
         _handle_cache[buffer_id] = raw
-        while len(_handle_cache) > _HANDLE_CACHE_SIZE:
-            _handle_cache.popitem(last=False)
     return raw
 
 
@@ -85,7 +79,7 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
         info.base, info.buffer_id, DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE,
         arr.shape, arr.strides,
     )
-    validate_array(fields)
+    validate_layout(fields)  # every other field comes from the driver and this process
     static = pack_array(fields)
     if cacheable:
         cache = _by_array  # bound here: the callback may run while the module is torn down

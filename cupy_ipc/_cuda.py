@@ -14,6 +14,7 @@ from ._errors import HandleError, IpcError
 
 __all__ = [
     "PointerInfo",
+    "address_range",
     "as_cupy_stream",
     "call",
     "device_count",
@@ -184,7 +185,6 @@ class PointerInfo(NamedTuple):
 
     base: int
     size: int
-    device: int
     buffer_id: int
     memory_type: str  # "device", "host", "managed", "unknown"
     legacy_ipc: bool
@@ -196,7 +196,6 @@ def _attributes() -> tuple[Any, ...]:
     return (
         a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         a.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-        a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         a.CU_POINTER_ATTRIBUTE_BUFFER_ID,
         a.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
         a.CU_POINTER_ATTRIBUTE_IS_MANAGED,
@@ -215,7 +214,7 @@ def pointer_info(ptr: int) -> PointerInfo:
     err, values = driver.cuPointerGetAttributes(len(attrs), attrs, ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise IpcError(f"cuPointerGetAttributes failed for 0x{ptr:x}: {err!r}", cuda_error=str(err))
-    base, size, device, buffer_id, mtype, managed, legacy = values
+    base, size, buffer_id, mtype, managed, legacy = values
     mtype = int(mtype)
     if managed:
         kind = "managed"
@@ -225,7 +224,16 @@ def pointer_info(ptr: int) -> PointerInfo:
         kind = "host"
     else:
         kind = "unknown"
-    return PointerInfo(int(base), int(size), int(device), int(buffer_id), kind, bool(legacy))
+    return PointerInfo(int(base), int(size), int(buffer_id), kind, bool(legacy))
+
+
+def address_range(ptr: int) -> tuple[int, int]:
+    """Base and size of the allocation (or mapping) that holds ``ptr`` (``cuMemGetAddressRange``)."""
+    driver = _driver()
+    err, base, size = driver.cuMemGetAddressRange(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise IpcError(f"cuMemGetAddressRange failed for 0x{ptr:x}: {err!r}", cuda_error=str(err))
+    return int(base), int(size)
 
 
 def stream_idle(ptr: int) -> bool:

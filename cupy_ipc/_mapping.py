@@ -66,6 +66,7 @@ class _Claim:
 _lock = threading.RLock()
 _active: dict[tuple[Any, ...], _Mapping] = {}
 _idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.OrderedDict()
+_evicted: dict[tuple[Any, ...], _Mapping] = {}  # waiting for the background unmap
 _idle_limit = 16
 _claims: dict[tuple[bytes, int], _Claim] = {}
 
@@ -91,10 +92,20 @@ def set_idle_mapping_limit(n: int) -> int:
 
 
 def _trim_idle() -> None:
-    # Evicted mappings are unmapped on the background thread: off the path of the open that evicted them.
+    # Evicted mappings are unmapped on the background thread, off the path of
+    # the open that evicted them; an open of the same allocation before that
+    # takes the mapping back (the driver hands one process one pointer per allocation).
     while len(_idle) > _idle_limit:
-        m = _idle.popitem(last=False)[1]
-        _reaper().put((None, m.device, m.unmap, ()))
+        key, m = _idle.popitem(last=False)
+        _evicted[key] = m
+        _reaper().put((None, m.device, _unmap_evicted, (key, m)))
+
+
+def _unmap_evicted(key: tuple[Any, ...], m: _Mapping) -> None:
+    with _lock:
+        if _evicted.get(key) is m:
+            del _evicted[key]
+            m.unmap()
 
 
 def collect_idle() -> int:
@@ -172,7 +183,7 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
          own_ptr: int | None) -> _Mapping:
-    m = _active.get(key) or _idle.pop(key, None)
+    m = _active.get(key) or _idle.pop(key, None) or _evicted.pop(key, None)
     if m is None:
         if own_ptr is not None:
             m = _Mapping(key, own_ptr, allocation_size, device, imported=False)
@@ -192,12 +203,12 @@ def _import(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
             runtime.cudaIpcMemLazyEnablePeerAccess,
         )
     m = _Mapping(key, ptr, allocation_size, device, imported=True)
-    info = _cuda.pointer_info(ptr)
-    if info.base != ptr or info.size < allocation_size:
+    base, size = _cuda.address_range(ptr)
+    if base != ptr or size < allocation_size:
         m.unmap()
         raise HandleError(
             f"the handle claims a {allocation_size}-byte allocation but the driver mapped "
-            f"{info.size} bytes: the handle is forged or corrupt"
+            f"{size} bytes: the handle is forged or corrupt"
         )
     return m
 
@@ -319,6 +330,7 @@ def forget_after_fork() -> None:
     global _queue
     _active.clear()
     _idle.clear()
+    _evicted.clear()
     _claims.clear()
     _queue = None
 

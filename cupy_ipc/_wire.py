@@ -31,6 +31,7 @@ __all__ = [
     "unpack_array",
     "unpack_event",
     "validate_array",
+    "validate_layout",
 ]
 
 VERSION = 1
@@ -168,17 +169,9 @@ def validate_origin(device: DeviceId, producer: Producer) -> None:
 
 
 def validate_array(f: ArrayFields) -> None:
-    """Raise :class:`HandleError` unless the fields describe memory safely."""
-    if f.kind not in Kind.names:
-        raise HandleError(f"unknown memory kind {f.kind}")
-    if f.flags & ~_FLAGS:
-        raise HandleError(f"unknown flag bits 0x{f.flags & ~_FLAGS:x}")
+    """Raise :class:`HandleError` unless the fields describe memory safely and fit the wire exactly."""
     if len(f.shape) != len(f.strides):
         raise HandleError(f"shape has {len(f.shape)} dimensions but strides has {len(f.strides)}")
-    if len(f.shape) > MAX_NDIM:
-        raise HandleError(f"{len(f.shape)} dimensions; at most {MAX_NDIM} are allowed")
-    if any(n < 0 for n in f.shape):
-        raise HandleError(f"negative extent in shape {f.shape}")
     if len(f.memory_handle) != HANDLE_BYTES or len(f.event_handle) != HANDLE_BYTES:
         raise HandleError("memory and event handles must be 64 bytes")
     validate_origin(f.device, f.producer)
@@ -192,6 +185,19 @@ def validate_array(f: ArrayFields) -> None:
         _in_range("extent", n, _I64)
     for s in f.strides:
         _in_range("stride", s, _I64)
+    validate_layout(f)
+
+
+def validate_layout(f: ArrayFields) -> None:
+    """The safety checks alone, for fields whose widths the wire format or the driver already bound."""
+    if f.kind not in Kind.names:
+        raise HandleError(f"unknown memory kind {f.kind}")
+    if f.flags & ~_FLAGS:
+        raise HandleError(f"unknown flag bits 0x{f.flags & ~_FLAGS:x}")
+    if len(f.shape) > MAX_NDIM:
+        raise HandleError(f"{len(f.shape)} dimensions; at most {MAX_NDIM} are allowed")
+    if any(n < 0 for n in f.shape):
+        raise HandleError(f"negative extent in shape {f.shape}")
     if f.kind == Kind.EMPTY:
         if 0 not in f.shape:
             raise HandleError(f"an empty handle must have a size-0 shape, not {f.shape}")
@@ -308,7 +314,7 @@ def _parse(raw: bytes) -> ArrayFields:
         DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)), export_id, slot,
         event, tuple(dims[:ndim]), tuple(dims[ndim:]),
     )
-    validate_array(fields)
+    validate_layout(fields)  # the struct bounds every width and range
     return fields
 
 

@@ -218,3 +218,14 @@ def test_unsupported_memory_is_refused_with_advice():
     with pytest.raises(TypeError, match="not a CUDA GPU"):
         cupy_ipc.get_ipc_handle(np.ones(3))
     gc.collect()
+
+
+def test_reopening_an_evicted_mapping_reads_the_right_data(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    arrays = [cupy.full(1 << 20, v, cupy.float32) for v in (1, 2, 3)]  # three allocations
+    data = [cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False).to_bytes() for a in arrays]
+    order = [0, 1, 0, 2, 0, 1, 1, 2]
+    assert consumer.call("reopen_after_eviction", [data[i] for i in order]) == [i + 1 for i in order]

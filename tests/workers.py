@@ -375,3 +375,14 @@ def pinned_count() -> int:
     import cupy_ipc
 
     return len(cupy_ipc.pinned())
+
+
+def reopen_after_eviction(items: list[bytes]) -> list[float]:
+    """Open handles in turn with room for one idle mapping, so each open evicts the last one."""
+    import cupy_ipc
+
+    old = cupy_ipc.set_idle_mapping_limit(1)
+    try:
+        return [read_first(d) for d in items]
+    finally:
+        cupy_ipc.set_idle_mapping_limit(old)
