@@ -8,21 +8,10 @@ import struct
 
 import numpy as np
 import pytest
+from samples import BOOT_ID, DTYPES, EVENT_HANDLE, MEMORY_HANDLE, PRODUCER, TOKEN, UUID
 
 from cupy_ipc import DeviceId, HandleError, IpcArrayHandle, IpcEventHandle, Producer
 from cupy_ipc._wire import ARRAY_HEADER, EVENT_RECORD, VERSION, EventFields, Kind, pack_event
-
-DTYPES = [
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128,
-]
-
-# Distinctive bytes, so a test can tell whether they leak into a repr.
-MEMORY_HANDLE = bytes(range(0xA0, 0xE0))
-EVENT_HANDLE = bytes(range(0x40, 0x80))
-UUID = bytes(range(0x10, 0x20))
-TOKEN = bytes(range(0xE0, 0xF0))
-BOOT_ID = bytes(range(0x30, 0x40))
 
 
 def c_strides(shape, itemsize):
@@ -43,7 +32,7 @@ def f_strides(shape, itemsize):
 
 def make(shape=(4, 2), strides=None, dtype=np.float32, offset=0, allocation_size=None, *,
          kind=Kind.LEGACY, memory_handle=MEMORY_HANDLE, device=(0, UUID),
-         producer=(4242, TOKEN, BOOT_ID, "gpu-host")):
+         producer=PRODUCER):
     itemsize = np.dtype(dtype).itemsize
     if strides is None:
         strides = c_strides(shape, itemsize)
@@ -57,7 +46,7 @@ def make(shape=(4, 2), strides=None, dtype=np.float32, offset=0, allocation_size
     )
 
 
-def make_event(block=False, handle=EVENT_HANDLE, device=(3, UUID), producer=(4242, TOKEN, BOOT_ID, "gpu-host")):
+def make_event(block=False, handle=EVENT_HANDLE, device=(3, UUID), producer=PRODUCER):
     fields = EventFields(handle, block, DeviceId(*device), Producer(*producer))
     return IpcEventHandle.from_bytes(pack_event(fields))
 
@@ -361,7 +350,7 @@ def assert_no_raw_bytes(text):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
 def test_repr(dtype):
-    h = make((4, 2), dtype=dtype, device=(3, UUID), producer=(4242, TOKEN, BOOT_ID, "gpu-host"))
+    h = make((4, 2), dtype=dtype, device=(3, UUID), producer=PRODUCER)
     text = repr(h)
     assert text.startswith("<IpcArrayHandle ") and text.endswith(">")
     assert "shape=(4, 2)" in text
