@@ -134,9 +134,9 @@ def get_ipc_handle(
             ``__dlpack__`` or ``__cuda_array_interface__`` on a CUDA device
             (a PyTorch tensor, a Numba device array).
         stream: Where the work that produces the array was queued (default:
-            CuPy's current stream). With ``sync`` the handle carries an event
-            recorded there, and ``open()`` makes the consumer's stream wait
-            on it on the GPU.
+            CuPy's current stream). With ``sync``, if that stream still has
+            work queued, the handle carries an event recorded there and
+            ``open()`` makes the consumer's stream wait on it on the GPU.
         keepalive: Keep the memory alive until ``consumers`` processes have
             opened the handle and finished with it. Turn off only if you keep
             the array alive yourself until every consumer is done.
