@@ -8,9 +8,9 @@ the lease is released:
 
 1. if the stream the array was opened on still has work queued, an event is
    recorded there and a background thread waits for it;
-2. then the mapping
-   loses a user and the producer's slot loses a claim; a claim's last
-   release drops the in-use lock, which lets the producer reuse the memory;
+2. then the mapping loses a user and the producer's slot loses a claim; a
+   claim's last release drops the in-use lock, which lets the producer reuse
+   the memory;
 3. a mapping with no users is kept idle for re-opening (up to
    :func:`set_idle_mapping_limit`) and unmapped when evicted or collected.
 """
@@ -32,12 +32,10 @@ __all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts
 
 
 class _Mapping:
-    __slots__ = ("key", "ptr", "size", "device", "users", "imported")
+    __slots__ = ("ptr", "device", "users", "imported")
 
-    def __init__(self, key: tuple[Any, ...], ptr: int, size: int, device: int, imported: bool) -> None:
-        self.key = key
+    def __init__(self, ptr: int, device: int, imported: bool) -> None:
         self.ptr = ptr
-        self.size = size
         self.device = device
         self.users = 0
         self.imported = imported
@@ -186,15 +184,15 @@ def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_siz
     m = _active.get(key) or _idle.pop(key, None) or _evicted.pop(key, None)
     if m is None:
         if own_ptr is not None:
-            m = _Mapping(key, own_ptr, allocation_size, device, imported=False)
+            m = _Mapping(own_ptr, device, imported=False)
         else:
-            m = _import(key, device, memory_handle, allocation_size)
+            m = _import(device, memory_handle, allocation_size)
     _active[key] = m
     m.users += 1
     return m
 
 
-def _import(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int) -> _Mapping:
+def _import(device: int, memory_handle: bytes, allocation_size: int) -> _Mapping:
     from cupy.cuda import runtime
 
     with _cuda.using_device(device):
@@ -202,7 +200,7 @@ def _import(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
             "opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
             runtime.cudaIpcMemLazyEnablePeerAccess,
         )
-    m = _Mapping(key, ptr, allocation_size, device, imported=True)
+    m = _Mapping(ptr, device, imported=True)
     base, size = _cuda.address_range(ptr)
     if base != ptr or size < allocation_size:
         m.unmap()
@@ -326,7 +324,7 @@ def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocati
     return m.ptr, Lease(keep, key, claim_key, stream, device)
 
 
-def forget_after_fork() -> None:
+def _forget_after_fork() -> None:
     global _queue
     _active.clear()
     _idle.clear()
@@ -335,4 +333,4 @@ def forget_after_fork() -> None:
     _queue = None
 
 
-os.register_at_fork(after_in_child=forget_after_fork)
+os.register_at_fork(after_in_child=_forget_after_fork)
