@@ -62,9 +62,13 @@ def call(what: str, fn: Callable[..., T], *args: Any, error: type[IpcError] = Ip
     try:
         return fn(*args)
     except _runtime_error() as e:
-        name = _cuda_error_name(e)
-        hint = _HINTS.get(name)
-        raise error(f"{what} failed: {e}" + (f" ({hint})" if hint else ""), cuda_error=name) from e
+        raise _translated(what, e, error) from e
+
+
+def _translated(what: str, e: Exception, error: type[IpcError] = IpcError) -> IpcError:
+    name = _cuda_error_name(e)
+    hint = _HINTS.get(name)
+    return error(f"{what} failed: {e}" + (f" ({hint})" if hint else ""), cuda_error=name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,10 +244,10 @@ def stream_idle(ptr: int) -> bool:
     """True when every piece of work queued on the stream has finished (``cudaStreamQuery``)."""
     from cupy.cuda import runtime
 
-    try:
+    try:  # not through call(): this runs on every export and release
         return runtime.streamQuery(ptr) == 0
-    except _runtime_error():
-        return call("querying a stream", runtime.streamQuery, ptr) == 0  # raises with the CUDA name
+    except _runtime_error() as e:
+        raise _translated("querying a stream", e) from e
 
 
 def stream_ptr(stream: Any) -> int:

@@ -282,8 +282,7 @@ def unpack_array(data: object) -> ArrayFields:
     key = raw[:7] + raw[8:_DYNAMIC_AT] + raw[ARRAY_HEADER:]
     static = _parsed.get(key)
     if static is None:
-        static = _parse(raw[:7] + b"\0" + raw[8:_DYNAMIC_AT] + _DYNAMIC.pack(0, 0, bytes(HANDLE_BYTES))
-                        + raw[ARRAY_HEADER:])
+        static = _parse(splice(raw, 0, 0, 0, bytes(HANDLE_BYTES)))
         if len(_parsed) >= _PARSED_MAX:
             _parsed.clear()
         _parsed[key] = static
