@@ -9,7 +9,9 @@ ack, timed by the producer. Methods:
 - ``raw``: CuPy runtime calls by hand (``ipcGetMemHandle``/``ipcOpenMemHandle``),
   no keep-alive and no ordering: the floor for zero-copy sharing;
 - ``cupy_ipc``: ``get_ipc_handle``/``IpcArrayHandle.open`` with keep-alive and
-  ordering on (the defaults);
+  ordering on (the defaults), the handle's bytes on the queue;
+- ``mp``: the array itself on a queue, through ``cupy_ipc.multiprocessing``
+  (the same guarantees; the array is pickled by handle);
 - ``torch``: ``torch.multiprocessing`` with a CUDA tensor (when installed);
 - ``staging``: ``cupy.asnumpy`` → queue → ``cupy.asarray``.
 
@@ -19,11 +21,12 @@ every message, so handles and mappings may be reused where a method can.
 
 The methods run in ``--rounds`` rounds, in a rotated order each round, and the
 samples of all rounds are pooled: a machine whose speed drifts during the run
-then shifts every method alike, and the ratios stay fair.
+then shifts every method alike, and the ratios stay fair. Each method gets one
+consumer process per round, which serves all its sizes.
 
 Usage::
 
-    python benchmarks/roundtrip.py --sizes 1MiB --iters 1000 --json results.json
+    python benchmarks/roundtrip.py --sizes 4KiB,1MiB,64MiB,1GiB --iters 1500 --json results.json
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-METHODS = ("bare", "raw", "cupy_ipc", "torch", "staging")
+METHODS = ("bare", "raw", "cupy_ipc", "mp", "torch", "staging")
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -62,6 +65,8 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
 
     if method == "torch":
         import torch  # noqa: F401 - unpickling the tensors needs torch's reductions
+    if method == "mp":
+        import cupy_ipc.multiprocessing  # noqa: F401 - results would travel by handle too
     mapped: dict[bytes, int] = {}
     while True:
         msg = inbox.get()
@@ -88,7 +93,7 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
             with IpcArrayHandle.from_bytes(msg) as arr:
                 value = float(arr[0])
             del arr
-        elif method == "torch":
+        elif method in ("torch", "mp"):
             value = float(msg[0])
             del msg
         else:  # staging
@@ -115,7 +120,7 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
         import cupy_ipc
 
         return cupy_ipc.get_ipc_handle(arr).to_bytes()
-    if method == "torch":
+    if method in ("torch", "mp"):
         return arr
     return cupy.asnumpy(arr)
 
@@ -134,7 +139,7 @@ def _free(method: str) -> None:
     # Untimed: give the memory back so the next fresh buffer is a new allocation.
     import cupy
 
-    if method == "cupy_ipc":
+    if method in ("cupy_ipc", "mp"):
         import cupy_ipc
 
         cupy_ipc.collect()
@@ -147,41 +152,52 @@ def _free(method: str) -> None:
     cupy.get_default_memory_pool().free_all_blocks()
 
 
-def measure(method: str, nbytes: int, resent: bool, iters: int, warmup: int) -> list[float]:
-    """Round-trip times in seconds for ``iters`` messages after ``warmup``."""
+def _context(method: str) -> Any:
     if method == "torch":
         import torch.multiprocessing as tmp
 
-        ctx: Any = tmp.get_context("spawn")
-    else:
-        ctx = multiprocessing.get_context("spawn")
+        return tmp.get_context("spawn")
+    if method == "mp":
+        import cupy_ipc.multiprocessing as cmp
+
+        return cmp.get_context("spawn")
+    return multiprocessing.get_context("spawn")
+
+
+def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -> None:
+    """Time ``(nbytes, resent, iters, warmup)`` cases with one consumer; ``report(case, seconds)``."""
+    ctx = _context(method)
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=consumer, args=(method, inbox, outbox), daemon=True)
     proc.start()
-    times: list[float] = []
-    cache: dict[str, Any] = {}
-    arr = _new_buffer(method, nbytes, 1) if resent else None
     try:
-        for i in range(warmup + iters):
-            if not resent:
-                arr = _new_buffer(method, nbytes, 1)
-            t = time.perf_counter()
-            inbox.put(_message(method, arr, resent, cache))
-            value = outbox.get(timeout=600)
-            elapsed = time.perf_counter() - t
-            if method != "bare" and value != 1.0:
-                raise RuntimeError(f"{method}: consumer read {value}, expected 1.0")
-            if i >= warmup:
-                times.append(elapsed)
-            if not resent:
-                arr = None
-                _free(method)
+        for nbytes, resent, iters, warmup in cases:
+            times: list[float] = []
+            cache: dict[str, Any] = {}
+            arr = _new_buffer(method, nbytes, 1) if resent else None
+            for i in range(warmup + iters):
+                if not resent:
+                    arr = _new_buffer(method, nbytes, 1)
+                t = time.perf_counter()
+                inbox.put(_message(method, arr, resent, cache))
+                value = outbox.get(timeout=600)
+                elapsed = time.perf_counter() - t
+                if method != "bare" and value != 1.0:
+                    raise RuntimeError(f"{method}: consumer read {value}, expected 1.0")
+                if i >= warmup:
+                    times.append(elapsed)
+                if not resent:
+                    arr = None
+                    _free(method)
+            arr = None
+            _free(method)
+            report((nbytes, method, resent), times)
     finally:
         inbox.put(None)
-        proc.join(30)
+        proc.join(10)
         if proc.is_alive():
+            print(f"{method}: the consumer did not exit within 10 s; killed", file=sys.stderr, flush=True)
             proc.kill()
-    return times
 
 
 def available(method: str) -> bool:
@@ -244,17 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for i in range(len(methods)):
             method = methods[(i + r) % len(methods)]
+            todo = []
             for nbytes, m, resent in cases:
                 if m != method:
                     continue
                 total = max(3, min(args.iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
                 iters = max(1, total // args.rounds)
-                warmup = min(args.warmup, max(2, iters // 10))
-                t = measure(method, nbytes, resent, iters, warmup)
-                samples[(nbytes, method, resent)].extend(t)
+                todo.append((nbytes, resent, iters, min(args.warmup, max(1, iters // 10))))
+
+            def report(case: tuple[int, str, bool], t: list[float], r: int = r) -> None:
+                samples[case].extend(t)
+                nbytes, method, resent = case
                 print(f"round {r + 1}/{args.rounds} {size_label(nbytes):>8} {method:<9} "
                       f"{'re-sent' if resent else 'fresh':<8} median {statistics.median(t) * 1e6:10.1f} us "
                       f"({len(t)} messages)", flush=True)
+
+            measure(method, todo, report)
     results = []
     for (nbytes, method, resent), t in samples.items():
         results.append({
@@ -287,11 +308,12 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {size_label(r['bytes'])} | {kind} | {r['method']} | {r['median_us']:.1f} | "
                      f"{r['p10_us']:.0f}–{r['p90_us']:.0f} | {ratio} |")
     median = {(r["method"], r["bytes"], r["resent"]): r["median_us"] for r in rows}
-    lines += ["", "| size | kind | cupy_ipc ÷ raw | torch ÷ cupy_ipc | staging ÷ cupy_ipc |",
-              "|---|---|---:|---:|---:|"]
+    lines += ["", "| size | kind | cupy_ipc ÷ raw | torch ÷ cupy_ipc | staging ÷ cupy_ipc | mp ÷ raw "
+              "| torch ÷ mp | staging ÷ mp |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for nbytes, resent in ours:
         cells = []
-        for num, den in (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("staging", "cupy_ipc")):
+        for num, den in (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("staging", "cupy_ipc"),
+                         ("mp", "raw"), ("torch", "mp"), ("staging", "mp")):
             a, b = median.get((num, nbytes, resent)), median.get((den, nbytes, resent))
             cells.append(f"{a / b:.2f}" if a and b else "")
         lines.append(f"| {size_label(nbytes)} | {'re-sent' if resent else 'fresh'} | " + " | ".join(cells) + " |")

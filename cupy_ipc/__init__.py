@@ -12,6 +12,9 @@ Example:
         h = cupy_ipc.IpcArrayHandle.from_bytes(data)
         with h as b:                                    # maps the producer's memory
             print(b.sum())
+
+    ``import cupy_ipc.multiprocessing as mp`` is the standard ``multiprocessing``
+    module whose queues, pipes and pools send arrays and events this way.
 """
 
 from __future__ import annotations

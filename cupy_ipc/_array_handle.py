@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from . import _cuda, _keepalive, _mapping, _segment
+from . import _cuda, _fork, _keepalive, _mapping, _segment
 from ._errors import IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
@@ -35,8 +35,11 @@ __all__ = ["IpcArrayHandle", "get_ipc_handle"]
 _NO_HANDLE = bytes(64)
 
 # Memory handles by the driver's buffer id, which is never reused in a process,
-# so a new array in an allocation exported before skips cudaIpcGetMemHandle.
+# so a new array in an allocation exported before skips cudaIpcGetMemHandle;
+# and the other way, so that a handle of ours sent back to us by another
+# process opens our own memory (CUDA refuses to import it in its own process).
 _handle_cache: dict[int, bytes] = {}
+_exported: dict[bytes, tuple[int, int]] = {}  # memory handle -> (base, buffer id)
 _HANDLE_CACHE_SIZE = 4096
 
 
@@ -48,8 +51,29 @@ def _memory_handle(base: int, buffer_id: int) -> bytes:
         raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
         if len(_handle_cache) >= _HANDLE_CACHE_SIZE:
             _handle_cache.clear()
+            _exported.clear()
         _handle_cache[buffer_id] = raw
+        _exported[raw] = (base, buffer_id)
     return raw
+
+
+def _check_still_allocated(base: int, buffer_id: int) -> None:
+    info = _cuda.pointer_info(base)
+    if info.buffer_id != buffer_id or info.base != base:
+        raise IpcError("this process exported that memory and has since freed it")
+
+
+def _received_lease(arr: Any) -> "_mapping.Lease | None":
+    """The lease of the mapping behind an array this process opened from another one, if it is one."""
+    owner = getattr(arr.data.mem, "_owner", None)
+    while isinstance(owner, _mapping.Lease):
+        if owner.imported:
+            return owner
+        if owner.keep is None:  # our own memory
+            return None
+        # an export of ours that we opened ourselves: look at what it was
+        owner = getattr(getattr(getattr(owner.keep, "data", None), "mem", None), "_owner", None)
+    return None
 
 
 # The validated handle of each live cupy.ndarray exported, without its export
@@ -64,20 +88,27 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
     hit = _by_array.get(key)
     if hit is not None and hit[0]() is arr:
         return hit[1], hit[2]
-    info = _cuda.pointer_info(arr.data.ptr)
-    if info.memory_type != "device":
-        raise IpcError(_KIND_ADVICE[info.memory_type])
-    if not info.legacy_ipc:
-        raise IpcError(
-            "this memory comes from a stream-ordered pool (cudaMallocAsync) or CUDA's virtual memory "
-            "API, which CUDA IPC memory handles cannot share; allocate it with cudaMalloc "
-            "(CuPy's default MemoryPool)"
-        )
     device = arr.data.device_id
+    lease = _received_lease(arr)
+    if lease is not None:
+        # Opened from another process: send on the original allocation's
+        # handle; this process pins the array, and with it its own claim.
+        info = _cuda.pointer_info(lease.ptr)
+        memory_handle, base, size = lease.memory_handle, lease.ptr, lease.allocation_size
+    else:
+        info = _cuda.pointer_info(arr.data.ptr)
+        if info.memory_type != "device":
+            raise IpcError(_KIND_ADVICE[info.memory_type])
+        if not info.legacy_ipc:
+            raise IpcError(
+                "this memory comes from a stream-ordered pool (cudaMallocAsync) or CUDA's virtual memory "
+                "API, or was mapped from another process by other means, and CUDA IPC memory handles "
+                "cannot share it; allocate it with cudaMalloc (CuPy's default MemoryPool)"
+            )
+        memory_handle, base, size = _memory_handle(info.base, info.buffer_id), info.base, info.size
     fields = ArrayFields(
-        Kind.LEGACY, 0, dtype, _memory_handle(info.base, info.buffer_id), arr.data.ptr - info.base, info.size,
-        info.base, info.buffer_id, DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE,
-        arr.shape, arr.strides,
+        Kind.LEGACY, 0, dtype, memory_handle, arr.data.ptr - base, size, base, info.buffer_id,
+        DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides,
     )
     validate_layout(fields)  # every other field comes from the driver and this process
     static = pack_array(fields)
@@ -162,6 +193,7 @@ def get_ipc_handle(
         >>> h                                             # doctest: +SKIP
         <IpcArrayHandle shape=(6,) dtype=float32 device=0 producer=pid 4242@gpu-host>
     """
+    _fork.check()
     if consumers < 1:
         raise ValueError("consumers must be at least 1")
     if lease is not None and lease <= 0:
@@ -319,7 +351,8 @@ class IpcArrayHandle:
         producer's memory once the array is gone.
 
         In the exporting process this returns a view of the producer's own
-        memory without any CUDA IPC call.
+        memory without any CUDA IPC call, and so it does in a process that
+        receives, from a third one, an array it exported itself.
 
         Raises:
             HandleError: The handle is from another host, names a GPU this
@@ -327,45 +360,50 @@ class IpcArrayHandle:
             ProducerExitedError: The producer has exited.
             IpcError: The producer no longer shares the memory, or CUDA failed.
         """
+        arr = self._open(stream)
+        self._opened.append(arr)
+        return arr
+
+    def _open(self, stream: Any = None) -> Any:
+        """:meth:`open` without tracking the array: it lives until it is garbage-collected."""
         import cupy
 
+        _fork.check()
         f = self._f
         check_same_host(f.producer)
         device = _cuda.ordinal_of_uuid(f.device.uuid)
         if f.kind == Kind.EMPTY:
             with cupy.cuda.Device(device):
-                arr = cupy.empty(f.shape, f.dtype)
-            self._opened.append(arr)
-            return arr
-        own = f.producer.token == this_process().token
-        keep = None
-        if own:
+                return cupy.empty(f.shape, f.dtype)
+        from_us = f.producer.token == this_process().token
+        keep = own_ptr = None
+        if from_us:
             keep = _keepalive.lookup(f.export_id) if f.export_id else None
+            own_ptr, buffer_id = f.base_ptr, f.buffer_id
             if keep is None:
-                info = _cuda.pointer_info(f.base_ptr)
-                if info.buffer_id != f.buffer_id or info.base != f.base_ptr:
-                    raise IpcError("this process exported that memory and has since freed it")
+                _check_still_allocated(own_ptr, buffer_id)
+        elif f.memory_handle in _exported:  # our memory, sent back to us by another process
+            own_ptr, buffer_id = _exported[f.memory_handle]
+            _check_still_allocated(own_ptr, buffer_id)
         # Raises ProducerExitedError if the producer is gone; in our own
         # process it is a second open file, so that our locks are separate.
         seg = _segment.attach(f.producer.token, f.producer.pid)
         with _cuda.using_device(device):
             stream_obj = cupy.cuda.get_current_stream() if stream is None else _cuda.as_cupy_stream(stream)
             ptr, lease = _mapping.acquire(
-                key=(device, f.kind, f.memory_handle) if not own else (device, "own", f.buffer_id),
+                key=(device, f.kind, f.memory_handle) if own_ptr is None else (device, "own", buffer_id),
                 device=device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
-                own_ptr=f.base_ptr if own else None, keep=keep, segment=seg, producer_token=f.producer.token,
+                own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
                 producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
             )
-            if f.flags & FLAG_EVENT and not own:
+            if f.flags & FLAG_EVENT and not from_us:
                 ev = open_cached(f.event_handle, device, f.producer)
                 if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
                     ev.wait(stream_obj)
             elif f.flags & FLAG_EVENT:
                 _keepalive.wait_own_event(f.export_id, stream_obj)
             mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)
-            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
-        self._opened.append(arr)
-        return arr
+            return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
 
     def close(self) -> None:
         """Drop the arrays this handle opened. Idempotent.

@@ -8,12 +8,12 @@ import warnings
 import weakref
 from typing import Any
 
-from . import _cuda, _segment
+from . import _cuda, _fork, _segment
 from ._errors import ClosedError, HandleError
 from ._identity import Producer, this_process
 from ._wire import DeviceId, EventFields, pack_event, unpack_event
 
-__all__ = ["IpcEvent", "IpcEventHandle", "open_cached"]
+__all__ = ["IpcEvent", "IpcEventHandle", "export_event", "open_cached"]
 
 # Events this process created and shared, by raw CUDA handle: unpickling or
 # opening one of them here gives back the original object.
@@ -54,6 +54,7 @@ class IpcEvent:
     def __init__(self, *, block: bool = False) -> None:
         from cupy.cuda import runtime
 
+        _fork.check()
         flags = runtime.eventInterprocess | runtime.eventDisableTiming
         if block:
             flags |= runtime.eventBlockingSync
@@ -129,14 +130,7 @@ class IpcEvent:
         """The handle another process opens this event with."""
         ptr = self.ptr
         if self._handle is None:
-            from cupy.cuda import runtime
-
-            raw = _cuda.call("exporting an event", runtime.ipcGetEventHandle, ptr)
-            me = this_process()
-            _segment.own_segment(me.token)  # lets consumers tell that we are alive
-            self._handle = IpcEventHandle._make(
-                EventFields(bytes(raw), self._block, DeviceId(self._device, _cuda.device_uuid(self._device)), me)
-            )
+            self._handle = export_event(ptr, self._device, self._block)
             _own[self._handle.event_handle] = self
         return self._handle
 
@@ -157,6 +151,16 @@ class IpcEvent:
         state = "closed" if self.closed else f"ptr=0x{self._ptr:x}"
         origin = "opened" if self._opened else "created"
         return f"<IpcEvent {state} device={self._device} {origin}>"
+
+
+def export_event(ptr: int, device: int, block: bool) -> "IpcEventHandle":
+    """The handle of an interprocess event of this process, on GPU ``device``."""
+    from cupy.cuda import runtime
+
+    raw = _cuda.call("exporting an event", runtime.ipcGetEventHandle, ptr)
+    me = this_process()
+    _segment.own_segment(me.token)  # lets consumers tell that we are alive
+    return IpcEventHandle._make(EventFields(bytes(raw), block, DeviceId(device, _cuda.device_uuid(device)), me))
 
 
 def _open_event(data: bytes) -> IpcEvent:
@@ -224,12 +228,17 @@ class IpcEventHandle:
             ProducerExitedError: The creating process has exited.
             ClosedError: Opened in its own process after it was closed.
         """
-        me = this_process()
-        if self._f.producer.token == me.token:
+        if self._f.producer.token == this_process().token:
             ev = _own.get(self._f.event_handle)
             if ev is None or ev.closed:
                 raise ClosedError("this event was closed in the process that created it")
             return ev
+        ptr, device = self._open_raw()
+        return IpcEvent._from_handle(self, ptr, device)
+
+    def _open_raw(self) -> tuple[int, int]:
+        """Open the event of another process: ``(cudaEvent_t, device ordinal)``; the caller owns it."""
+        _fork.check()
         check_same_host(self._f.producer)
         _segment.attach(self._f.producer.token, self._f.producer.pid)
         from cupy.cuda import runtime
@@ -237,7 +246,7 @@ class IpcEventHandle:
         device = _cuda.ordinal_of_uuid(self._f.device.uuid)
         with _cuda.using_device(device):
             ptr = _cuda.call("opening an event handle", runtime.ipcOpenEventHandle, self._f.event_handle)
-        return IpcEvent._from_handle(self, ptr, device)
+        return ptr, device
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (IpcEventHandle.from_bytes, (self.to_bytes(),))

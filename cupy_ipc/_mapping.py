@@ -64,7 +64,6 @@ class _Claim:
 _lock = threading.RLock()
 _active: dict[tuple[Any, ...], _Mapping] = {}
 _idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.OrderedDict()
-_evicted: dict[tuple[Any, ...], _Mapping] = {}  # waiting for the background unmap
 _idle_limit = 16
 _claims: dict[tuple[bytes, int], _Claim] = {}
 
@@ -90,20 +89,10 @@ def set_idle_mapping_limit(n: int) -> int:
 
 
 def _trim_idle() -> None:
-    # Evicted mappings are unmapped on the background thread, off the path of
-    # the open that evicted them; an open of the same allocation before that
-    # takes the mapping back (the driver hands one process one pointer per allocation).
+    # Unmapped here rather than on the background thread: measured with fresh
+    # buffers, an unmap there slowed the next open more than it saved here.
     while len(_idle) > _idle_limit:
-        key, m = _idle.popitem(last=False)
-        _evicted[key] = m
-        _reaper().put((None, m.device, _unmap_evicted, (key, m)))
-
-
-def _unmap_evicted(key: tuple[Any, ...], m: _Mapping) -> None:
-    with _lock:
-        if _evicted.get(key) is m:
-            del _evicted[key]
-            m.unmap()
+        _idle.popitem(last=False)[1].unmap()
 
 
 def collect_idle() -> int:
@@ -181,7 +170,7 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
          own_ptr: int | None) -> _Mapping:
-    m = _active.get(key) or _idle.pop(key, None) or _evicted.pop(key, None)
+    m = _active.get(key) or _idle.pop(key, None)
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
@@ -239,17 +228,26 @@ atexit.register(_at_exit)
 
 
 class Lease:
-    """Owner of the ``UnownedMemory`` behind opened arrays; released when they are all gone."""
+    """Owner of the ``UnownedMemory`` behind opened arrays; released when they are all gone.
 
-    __slots__ = ("keep", "mapping_key", "claim_key", "stream", "device")
+    It also says which allocation the memory is (``ptr``, ``memory_handle``,
+    ``allocation_size``), so that an opened array can be sent on.
+    """
+
+    __slots__ = ("keep", "mapping_key", "claim_key", "stream", "device", "ptr", "memory_handle",
+                 "allocation_size", "imported")
 
     def __init__(self, keep: Any, mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None,
-                 stream: Any, device: int) -> None:
+                 stream: Any, device: int, mapping: _Mapping, memory_handle: bytes, allocation_size: int) -> None:
         self.keep = keep  # the producer's own array, when opened in its own process
         self.mapping_key = mapping_key
         self.claim_key = claim_key
         self.stream = stream  # where the consumer's work on the memory is ordered
         self.device = device
+        self.ptr = mapping.ptr
+        self.imported = mapping.imported
+        self.memory_handle = memory_handle
+        self.allocation_size = allocation_size
 
     def __del__(self) -> None:
         if not _exiting:
@@ -282,8 +280,8 @@ _queue: "queue.SimpleQueue[Any] | None" = None
 
 
 def _reaper() -> "queue.SimpleQueue[Any]":
-    # Waits for consumers' GPU work on released mappings, and unmaps evicted
-    # ones, without blocking the threads that use the library.
+    # Waits for consumers' GPU work on released mappings without blocking
+    # the threads that use the library.
     global _queue
     with _lock:
         if _queue is None:
@@ -299,8 +297,7 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
         done, device, then, args = q.get()
         try:
             runtime.setDevice(device)
-            if done is not None:
-                done.synchronize()
+            done.synchronize()
         except Exception as e:
             warnings.warn(f"cupy_ipc: waiting for a consumer's work failed: {e}", RuntimeWarning, stacklevel=1)
         then(*args)
@@ -321,14 +318,13 @@ def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocati
         except BaseException:
             _unclaim(claim_key)
             raise
-    return m.ptr, Lease(keep, key, claim_key, stream, device)
+    return m.ptr, Lease(keep, key, claim_key, stream, device, m, memory_handle, allocation_size)
 
 
 def _forget_after_fork() -> None:
     global _queue
     _active.clear()
     _idle.clear()
-    _evicted.clear()
     _claims.clear()
     _queue = None
 

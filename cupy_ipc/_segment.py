@@ -24,6 +24,7 @@ import mmap
 import os
 import struct
 import tempfile
+import threading
 
 from ._errors import IpcError, ProducerExitedError
 
@@ -189,14 +190,18 @@ class Segment:
 # --- this process's own segment, and the segments of producers it opened from ---
 _own: Segment | None = None
 _attached: dict[bytes, Segment] = {}
+_create_lock = threading.Lock()
 
 
 def own_segment(token: bytes) -> Segment:
     """This process's segment, created on first use and removed at exit."""
     global _own
     if _own is None:
-        _own = Segment.create(token)
-        atexit.register(_own.close, unlink=True)
+        with _create_lock:  # multiprocessing pickles on its own threads
+            if _own is None:
+                seg = Segment.create(token)
+                atexit.register(seg.close, unlink=True)
+                _own = seg
     return _own
 
 
@@ -219,7 +224,8 @@ def attach(token: bytes, pid: int) -> Segment:
 def _forget_after_fork() -> None:
     # The child shares the parent's open file descriptions: keeping them would
     # make the parent look alive after it died. Closing our copies drops no lock.
-    global _own
+    global _own, _create_lock
+    _create_lock = threading.Lock()
     for seg in [_own, *_attached.values()]:
         if seg is not None:
             if seg.mm is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check, end to end, on a machine with an NVIDIA GPU:
-# install without touching the machine's CuPy, the gpu tests, the demo and a
-# short benchmark, then a summary. Logs go to $OUT (default /tmp/cupy_ipc-check).
+# install without touching the machine's CuPy, the gpu tests, the demo, the
+# notebooks and a short benchmark, then a summary. Logs go to $OUT (default /tmp/cupy_ipc-check).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cupy_ipc-check}
@@ -23,7 +23,14 @@ $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "
 cpu_rc=$?
 $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
 demo_rc=$?
-$PY benchmarks/roundtrip.py --sizes ${BENCH_SIZES:-1MiB} --iters ${BENCH_ITERS:-1500} --rounds ${BENCH_ROUNDS:-3} \
+# Notebooks need Jupyter packages; a machine without an index gets them as wheels in .whl/.
+if [ -d .whl ] && ! $PY -c "import nbclient, ipykernel" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --target /tmp/cupy_ipc-site .whl/*.whl >"$OUT/whl.log" 2>&1
+    NB_PATH=/tmp/cupy_ipc-site
+fi
+PYTHONPATH="${NB_PATH:-}${PYTHONPATH:+:$PYTHONPATH}" $PY scripts/run_notebooks.py 2>&1 | tee "$OUT/notebooks.log"
+nb_rc=$?
+$PY benchmarks/roundtrip.py --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,torch,staging} --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
     --json "$OUT/roundtrip.json" --markdown "$OUT/roundtrip.md" 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 
@@ -31,6 +38,7 @@ echo
 echo "===== cupy_ipc GPU check summary ====="
 echo "gpu tests: $(tail -n 1 "$OUT/gpu-tests.log")"
 echo "cpu tests: $(tail -n 1 "$OUT/cpu-tests.log")"
+echo "$(tail -n 1 "$OUT/notebooks.log")"
 echo "demo: exit $demo_rc; benchmark: exit $bench_rc"
 cat "$OUT/roundtrip.md" 2>/dev/null
-[ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $bench_rc -eq 0 ]
+[ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $nb_rc -eq 0 ] && [ $bench_rc -eq 0 ]

@@ -1,0 +1,67 @@
+"""Fork safety: a child forked after its parent initialized CUDA cannot use CUDA.
+
+Such a child would crash or hang on its first CUDA call. Every entry point of
+the library calls :func:`check` first, so the child gets an :class:`IpcError`
+that says what to do instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ._errors import IpcError
+
+__all__ = ["check", "cuda_initialized"]
+
+_parent_had_cuda = False
+_forked_after_cuda = False
+
+
+def cuda_initialized() -> bool:
+    """True when this process has initialized the CUDA driver (``cuInit``).
+
+    Asks the driver without initializing it, and only when a CUDA library is
+    already loaded, so that it is cheap enough to run before every fork.
+
+    Example:
+        >>> cuda_initialized() in (True, False)
+        True
+    """
+    if not any(m in sys.modules for m in ("cupy", "cuda.bindings.driver", "torch", "numba.cuda")):
+        return False
+    try:
+        from cuda.bindings import driver
+
+        err, _ = driver.cuCtxGetCurrent()
+    except Exception:  # no driver library: nothing was initialized
+        return False
+    return err != driver.CUresult.CUDA_ERROR_NOT_INITIALIZED
+
+
+def _before_fork() -> None:
+    global _parent_had_cuda
+    _parent_had_cuda = _forked_after_cuda or cuda_initialized()
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_cuda
+    _forked_after_cuda = _parent_had_cuda
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def check() -> None:
+    """Raise :class:`IpcError` in a process forked after CUDA was initialized.
+
+    Example:
+        >>> check()  # this process was not forked from a CUDA process
+    """
+    if _forked_after_cuda:
+        raise IpcError(
+            f"this process (pid {os.getpid()}) was forked after its parent initialized CUDA, so it "
+            "cannot use CUDA: start it with the 'spawn' or 'forkserver' method instead, e.g. "
+            "multiprocessing.get_context('spawn'), or call multiprocessing.set_start_method('spawn') "
+            "once at the start of the program"
+        )

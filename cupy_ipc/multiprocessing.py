@@ -1,0 +1,166 @@
+"""A drop-in for :mod:`multiprocessing` that sends GPU arrays and events by handle.
+
+Everything the standard module has is here too. Importing this module
+registers reducers with multiprocessing's pickler (and only with it: ordinary
+``pickle`` is unchanged), so that queues, pipes, pools and
+``concurrent.futures.ProcessPoolExecutor`` carry
+
+- ``cupy.ndarray``: the receiver gets an array that maps the sender's memory,
+  with the lifetime and ordering rules of :func:`cupy_ipc.get_ipc_handle`
+  (the memory stays alive until the receiver's work on it has finished; the
+  receiver's current stream waits for the sender's work). Its mapping is
+  released when the array and all its views are garbage-collected. An array
+  received this way can be sent on: the next process maps the original
+  allocation, and an array sent back to its exporter is its own memory again;
+- :class:`cupy_ipc.IpcEvent`, and ``cupy.cuda.Event`` created with
+  ``interprocess=True`` (received as a ``cupy.cuda.Event``; the process that
+  created it gets the same object back).
+
+Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
+was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
+The sender's ordering event is recorded when the message is pickled, which
+for queues and pools happens on a background thread, on that thread's
+current stream: CUDA's default stream, which waits for the work of every
+blocking stream. Work queued on a ``non_blocking`` stream must be finished
+(or exported with ``get_ipc_handle(array, stream=s)``) before sending.
+
+Workers of a spawned process are imported by name: define them in a module,
+not in ``__main__`` of a notebook, and import ``cupy_ipc.multiprocessing``
+in that module, so that a worker that returns arrays has the reducers too.
+
+Example:
+    >>> import cupy_ipc.multiprocessing as mp
+    >>> ctx = mp.get_context("spawn")
+    >>> q = ctx.Queue()
+    >>> q.put(cupy.arange(4))                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import multiprocessing as _mp
+import warnings
+import weakref
+from multiprocessing import *  # noqa: F403 - the drop-in re-exports everything
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from ._array_handle import IpcArrayHandle, get_ipc_handle
+from ._errors import ClosedError, IpcError
+from ._events import IpcEvent, IpcEventHandle, export_event
+from ._identity import this_process
+
+__all__ = [*_mp.__all__, "init_reductions"]  # noqa: PLE0604
+
+
+def __getattr__(name: str) -> Any:
+    # Submodules and anything else of the standard module (mp.pool, mp.reduction, ...).
+    return getattr(_mp, name)
+
+
+_warned_fork = False
+
+
+def _warn_if_fork_default() -> None:
+    global _warned_fork
+    if _warned_fork:
+        return
+    _warned_fork = True
+    method = _mp.get_start_method(allow_none=True) or _mp.get_all_start_methods()[0]
+    if method == "fork":
+        warnings.warn(
+            "the default multiprocessing start method is 'fork', and a child forked after CUDA was "
+            "initialized cannot use the GPU arrays sent to it; use get_context('spawn') or "
+            "get_context('forkserver'), or call set_start_method('spawn') once at start-up",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+# --- cupy.ndarray ----------------------------------------------------------------
+def _reduce_ndarray(array: Any) -> tuple[Any, tuple[bytes]]:
+    _warn_if_fork_default()
+    return _rebuild_ndarray, (get_ipc_handle(array).to_bytes(),)
+
+
+def _rebuild_ndarray(data: bytes) -> Any:
+    return IpcArrayHandle.from_bytes(data)._open()
+
+
+# --- events ----------------------------------------------------------------------
+def _reduce_ipc_event(event: IpcEvent) -> tuple[Any, tuple[bytes]]:
+    return _rebuild_ipc_event, (event.get_ipc_handle().to_bytes(),)
+
+
+def _rebuild_ipc_event(data: bytes) -> IpcEvent:
+    return IpcEventHandle.from_bytes(data).open()
+
+
+# cupy.cuda.Event objects this process sent, by raw CUDA handle, so that one
+# coming back is the original object (CUDA cannot open it in its own process);
+# and the handles of those it received, so that it can send them on.
+_cupy_events: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDictionary()
+_received_events: "weakref.WeakKeyDictionary[Any, bytes]" = weakref.WeakKeyDictionary()
+
+
+def _reduce_cupy_event(event: Any) -> tuple[Any, tuple[bytes]]:
+    from cupy.cuda import runtime
+
+    received = _received_events.get(event)
+    if received is not None:
+        return _rebuild_cupy_event, (received,)
+    try:
+        handle = export_event(event.ptr, runtime.getDevice(), block=False)
+    except IpcError as e:
+        raise IpcError(
+            "this cupy.cuda.Event cannot be sent to another process: create it with "
+            "cupy.cuda.Event(disable_timing=True, interprocess=True), or use cupy_ipc.IpcEvent",
+            cuda_error=e.cuda_error,
+        ) from e
+    _cupy_events[handle.event_handle] = event
+    return _rebuild_cupy_event, (handle.to_bytes(),)
+
+
+def _rebuild_cupy_event(data: bytes) -> Any:
+    import cupy
+
+    handle = IpcEventHandle.from_bytes(data)
+    if handle.producer.token == this_process().token:
+        event = _cupy_events.get(handle.event_handle)
+        if event is None:
+            raise ClosedError("this cupy.cuda.Event was destroyed in the process that created it")
+        return event
+    ptr, _ = handle._open_raw()
+    # cupy.cuda.Event has no constructor for an existing event; one built
+    # around the opened handle destroys it when collected, which is the
+    # release CUDA asks for.
+    event = cupy.cuda.Event.__new__(cupy.cuda.Event)
+    event.ptr = ptr
+    _received_events[event] = data
+    return event
+
+
+_registered = False
+
+
+def init_reductions() -> None:
+    """Register the reducers with ``multiprocessing.reduction.ForkingPickler``. Idempotent.
+
+    Importing this module calls it; call it yourself in code that uses the
+    standard :mod:`multiprocessing` module directly.
+
+    Example:
+        >>> import cupy_ipc.multiprocessing
+        >>> cupy_ipc.multiprocessing.init_reductions()
+    """
+    global _registered
+    if _registered:
+        return
+    import cupy
+
+    ForkingPickler.register(cupy.ndarray, _reduce_ndarray)
+    ForkingPickler.register(IpcEvent, _reduce_ipc_event)
+    ForkingPickler.register(cupy.cuda.Event, _reduce_cupy_event)
+    _registered = True
+
+
+init_reductions()

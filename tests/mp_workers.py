@@ -1,0 +1,144 @@
+"""Targets of the multiprocessing tests: module-level, so that spawned children import them.
+
+They import ``cupy_ipc.multiprocessing`` so that the arrays they send back
+travel by handle too.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import numpy as np
+
+import cupy_ipc.multiprocessing  # noqa: F401 - registers the reducers in the child
+
+
+def double(a: Any) -> Any:
+    """A new array of the worker's own: the result travels back by handle."""
+    return a * 2
+
+
+def double_sum(a: Any) -> float:
+    return float((a * 2).sum())
+
+
+def _answer(a: Any) -> tuple[Any, Any]:
+    """``(a * 2, a)`` after adding 1 to ``a`` in place, which the sender must see."""
+    result = a * 2
+    a += 1
+    return result, a
+
+
+def serve_queue(inbox: Any, outbox: Any) -> None:
+    """Answer arrays from ``inbox`` on ``outbox`` until ``None``; works for every kind of queue."""
+    while True:
+        a = inbox.get()
+        if a is None:
+            break
+        outbox.put(_answer(a))
+        del a
+        if hasattr(inbox, "task_done"):
+            inbox.task_done()
+
+
+class _PipeEnd:
+    def __init__(self, conn: Any) -> None:
+        self.get, self.put = conn.recv, conn.send
+
+
+def serve_pipe(conn: Any) -> None:
+    end = _PipeEnd(conn)
+    serve_queue(end, end)
+
+
+def forward(inbox: Any, onward: Any, back: Any) -> None:
+    """Pass a received array on to a third process and back to its sender, then drop it."""
+    a = inbox.get()
+    onward.put(a)
+    back.put(a)
+    del a
+    gc.collect()
+    inbox.get()  # stay alive until the test is done: our pin keeps the chain
+
+
+def write_value(inbox: Any, done: Any, value: float) -> None:
+    a = inbox.get()
+    a[...] = value
+    a.data.device.synchronize()
+    done.put(a.shape)
+
+
+def read_when_told(inbox: Any, go: Any, out: Any) -> None:
+    a = inbox.get()
+    go.get()
+    out.put(np.asarray(a.get()))
+
+
+def echo_plus_one(inbox: Any, outbox: Any) -> None:
+    """The leak check's partner: returns ``a + 1`` per message, reports its state on request."""
+    while True:
+        msg = inbox.get()
+        if isinstance(msg, str):
+            outbox.put(state())
+            if msg == "stop":
+                return
+            continue
+        outbox.put(msg + 1)
+        del msg
+
+
+def state() -> dict[str, Any]:
+    import time
+
+    import cupy
+
+    from cupy_ipc import _mapping
+
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while True:  # releases ordered after GPU work finish on a background thread
+        cupy.cuda.runtime.deviceSynchronize()
+        cupy_ipc.collect()
+        counts = _mapping.counts()
+        if not (counts["mapped"] or counts["claims"] or cupy_ipc.pinned()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return {
+        **counts, "pinned": len(cupy_ipc.pinned()), "fds": len(os.listdir("/proc/self/fd")),
+        "used_bytes": cupy.get_default_memory_pool().used_bytes(),
+    }
+
+
+def receive_error(conn: Any) -> None:
+    """In a forked child: report what receiving an array raises."""
+    try:
+        conn.recv()
+        conn.send("received without error")
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+def check_event(conn: Any) -> None:
+    """Receive a cupy.cuda.Event recorded behind a long kernel; report what it did, send it back."""
+    import time
+
+    import cupy
+
+    ev = conn.recv()
+    done_at_arrival = ev.query() if hasattr(ev, "query") else ev.done
+    t = time.perf_counter()
+    ev.synchronize()
+    conn.send((type(ev).__module__ + "." + type(ev).__qualname__, done_at_arrival, time.perf_counter() - t, ev))
+    del ev
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def device_of(a: Any) -> tuple[int, bytes, float]:
+    import cupy
+
+    from cupy_ipc._cuda import device_uuid
+
+    with cupy.cuda.Device(a.device.id):
+        return a.device.id, device_uuid(a.device.id), float(a.sum())

@@ -1,0 +1,319 @@
+"""cupy_ipc.multiprocessing on a GPU: every channel both ways, pools, relays, the fork guard, leaks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import os
+import pickle
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import cupy_ipc.multiprocessing as mp
+import mp_workers
+
+pytestmark = pytest.mark.gpu
+
+N = 1 << 18  # 1 MiB of float32
+
+
+@pytest.fixture
+def ctx():
+    """A spawn context whose processes are killed if a test leaves them running."""
+    context = mp.get_context("spawn")
+    started = []
+    real = context.Process
+
+    def process(*args, **kwargs):
+        p = real(*args, daemon=True, **kwargs)
+        started.append(p)
+        return p
+
+    context = _ContextWith(context, process)
+    yield context
+    for p in started:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
+class _ContextWith:
+    def __init__(self, context, process):
+        self._context = context
+        self.Process = process
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+
+def _array(value=0.0):
+    import cupy
+
+    a = cupy.arange(N, dtype=cupy.float32) + value
+    return a, cupy.asnumpy(a)
+
+
+def _check_answer(answer, sent, expected_before):
+    result, back = answer
+    np.testing.assert_array_equal(result.get(), expected_before * 2)
+    assert back.data.ptr == sent.data.ptr, "the array sent back must be the sender's own memory"
+    np.testing.assert_array_equal(sent.get(), expected_before + 1)
+
+
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "JoinableQueue"])
+def test_queues_carry_arrays_both_ways(ctx, kind):
+    inbox, outbox = getattr(ctx, kind)(), getattr(ctx, kind)()
+    p = ctx.Process(target=mp_workers.serve_queue, args=(inbox, outbox))
+    p.start()
+    get = outbox.get if kind == "SimpleQueue" else lambda: outbox.get(timeout=60)  # SimpleQueue has no timeout
+    for value in (0.0, 5.0):
+        a, expected = _array(value)
+        inbox.put(a)
+        _check_answer(get(), a, expected)
+    if kind == "JoinableQueue":
+        inbox.join()
+    inbox.put(None)
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_pipe_carries_arrays_both_ways(ctx):
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=mp_workers.serve_pipe, args=(there,))
+    p.start()
+    a, expected = _array(3.0)
+    here.send(a)
+    assert here.poll(60)
+    _check_answer(here.recv(), a, expected)
+    here.send(None)
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_forkserver_start_method():
+    context = mp.get_context("forkserver")
+    inbox, outbox = context.Queue(), context.Queue()
+    p = context.Process(target=mp_workers.serve_queue, args=(inbox, outbox), daemon=True)
+    p.start()
+    try:
+        a, expected = _array(1.0)
+        inbox.put(a)
+        _check_answer(outbox.get(timeout=60), a, expected)
+        inbox.put(None)
+        p.join(30)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def test_pool_of_four_maps_over_a_hundred_arrays():
+    import cupy
+
+    arrays = [cupy.full(4096, i, dtype=cupy.float32) for i in range(100)]
+    with mp.get_context("spawn").Pool(4) as pool:
+        results = pool.map(mp_workers.double, arrays, chunksize=5)
+        single = pool.apply_async(mp_workers.double, (arrays[7],)).get(60)
+        sums = pool.map(mp_workers.double_sum, arrays[:10])
+        assert len(results) == 100
+        for i, r in enumerate(results):
+            assert isinstance(r, cupy.ndarray)
+            assert float(r[0]) == 2 * i and float(r[-1]) == 2 * i
+        assert float(single[0]) == 14
+        assert sums == [2.0 * i * 4096 for i in range(10)]
+
+
+def test_process_pool_executor():
+    import cupy
+
+    arrays = [cupy.full(1024, i, dtype=cupy.float32) for i in range(8)]
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=mp.get_context("spawn")) as ex:
+        results = list(ex.map(mp_workers.double, arrays))
+        one = ex.submit(mp_workers.double, arrays[3]).result(60)
+        assert [float(r[0]) for r in results] == [2.0 * i for i in range(8)]
+        assert float(one[5]) == 6
+
+
+def test_received_array_passed_on_to_a_third_process(ctx):
+    to_b, b_to_c, back, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    b = ctx.Process(target=mp_workers.forward, args=(to_b, b_to_c, back))
+    c = ctx.Process(target=mp_workers.write_value, args=(b_to_c, done, 7.0))
+    b.start()
+    c.start()
+    a, _ = _array()
+    to_b.put(a)
+    returned = back.get(timeout=60)
+    assert returned.data.ptr == a.data.ptr  # B's relay of our memory opens as our memory
+    assert done.get(timeout=60) == (N,)
+    # C wrote through its own mapping of our allocation: not a copy.
+    assert (a.get() == 7).all()
+    del returned
+    to_b.put(None)
+
+
+def test_relayed_array_stays_alive_after_sender_and_relay_drop_it(ctx):
+    import cupy
+
+    to_b, b_to_c, back, go, out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    b = ctx.Process(target=mp_workers.forward, args=(to_b, b_to_c, back))
+    c = ctx.Process(target=mp_workers.read_when_told, args=(b_to_c, go, out))
+    b.start()
+    c.start()
+    a = cupy.full(N, 3, dtype=cupy.float32)
+    to_b.put(a)
+    back.get(timeout=60)
+    del a
+    gc.collect()
+    # The pool would hand the same block to these arrays if nothing pinned it.
+    for _ in range(20):
+        junk = cupy.full(N, 99, dtype=cupy.float32)
+        del junk
+    go.put(True)
+    out_values = out.get(timeout=60)
+    assert (out_values == 3).all()
+    to_b.put(None)
+
+
+def test_fork_after_cuda_raises_ipc_error_in_the_child():
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _keepalive
+
+    cupy.zeros(1).sum()  # CUDA is initialized in this process
+    before = {p.export_id for p in cupy_ipc.pinned()}
+    context = mp.get_context("fork")
+    here, there = context.Pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python's warning about forking with threads
+        p = context.Process(target=mp_workers.receive_error, args=(there,), daemon=True)
+        p.start()
+    try:
+        here.send(cupy.arange(4, dtype=cupy.float32))
+        assert here.poll(60)
+        message = here.recv()
+        assert message.startswith("IpcError") and "forked" in message and "spawn" in message
+        p.join(30)
+    finally:
+        if p.is_alive():
+            p.kill()
+        for pin in cupy_ipc.pinned():  # the child never opened what we sent: it stays pinned until released
+            if pin.export_id not in before:
+                _keepalive.release(pin.export_id)
+
+
+def test_ordinary_pickle_still_copies():
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.arange(1000, dtype=cupy.float64)
+    before = len(cupy_ipc.pinned())
+    b = pickle.loads(pickle.dumps(a))
+    assert isinstance(b, cupy.ndarray) and b.data.ptr != a.data.ptr
+    assert (b == a).all()
+    assert len(cupy_ipc.pinned()) == before
+
+
+def test_no_leak_after_a_thousand_messages(ctx):
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _mapping
+
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=mp_workers.echo_plus_one, args=(inbox, outbox))
+    p.start()
+    pool = cupy.get_default_memory_pool()
+
+    def exchange(n):
+        for i in range(n):
+            a = cupy.full(16384, i, dtype=cupy.float32)
+            inbox.put(a)
+            r = outbox.get(timeout=60)
+            assert float(r[0]) == i + 1
+            del a, r
+
+    def settle():
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            cupy_ipc.collect()
+            if not cupy_ipc.pinned() and not _mapping.counts()["mapped"]:
+                break
+            time.sleep(0.01)
+        return {"pinned": len(cupy_ipc.pinned()), **_mapping.counts(), "used_bytes": pool.used_bytes(),
+                "fds": len(os.listdir("/proc/self/fd"))}
+
+    exchange(20)
+    inbox.put("state")
+    theirs_before = outbox.get(timeout=60)
+    ours_before = settle()
+    exchange(1000)
+    inbox.put("stop")
+    theirs_after = outbox.get(timeout=60)
+    ours_after = settle()
+    p.join(30)
+    assert ours_after == ours_before
+    assert ours_after["pinned"] == 0 and ours_after["mapped"] == 0 and ours_after["claims"] == 0
+    assert theirs_after == theirs_before
+    assert theirs_after["pinned"] == 0 and theirs_after["mapped"] == 0
+
+
+def test_events_travel_and_come_back_as_the_same_objects(ctx):
+    import cupy
+
+    import cupy_ipc
+    from workers import spin, warm_up
+
+    warm_up()
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=mp_workers.check_event, args=(there,))
+    p.start()
+    ev = cupy.cuda.Event(disable_timing=True, interprocess=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    spin(2.0, stream)
+    ev.record(stream)
+    here.send(ev)
+    assert here.poll(60)
+    kind, done_at_arrival, waited, same = here.recv()
+    assert kind == "cupy.cuda.stream.Event"
+    assert not done_at_arrival and waited > 0.5  # the child really waited on our kernel
+    assert same is ev
+    stream.synchronize()
+
+    own = cupy_ipc.IpcEvent()
+    here2, there2 = ctx.Pipe()
+    q = ctx.Process(target=mp_workers.check_event, args=(there2,))
+    q.start()
+    own.record()
+    here2.send(own)
+    assert here2.poll(60)
+    kind, _, _, same = here2.recv()
+    assert kind == "cupy_ipc._events.IpcEvent" and same is own
+
+
+def test_non_interprocess_event_is_refused_clearly():
+    import cupy
+
+    from cupy_ipc import IpcError
+
+    with pytest.raises(IpcError, match="interprocess=True"):
+        mp.reduction.ForkingPickler.dumps(cupy.cuda.Event())
+
+
+@pytest.mark.multi_gpu(2)
+def test_array_on_another_device_arrives_on_that_device(ctx):
+    import cupy
+
+    from cupy_ipc._cuda import device_uuid
+
+    with cupy.cuda.Device(1):
+        a = cupy.full(1000, 2, dtype=cupy.float32)
+    with mp.get_context("spawn").Pool(1) as pool:
+        ordinal, uuid, total = pool.apply(mp_workers.device_of, (a,))
+    assert uuid == device_uuid(1) and total == 2000

@@ -1,0 +1,66 @@
+"""cupy_ipc.multiprocessing without a GPU: the drop-in, the reducer registration, fork checks."""
+
+from __future__ import annotations
+
+import copyreg
+import multiprocessing
+import subprocess
+import sys
+
+import pytest
+
+import cupy_ipc
+import cupy_ipc.multiprocessing as mp
+
+
+def test_every_name_of_the_standard_module_is_there():
+    for name in multiprocessing.__all__:
+        assert getattr(mp, name) is getattr(multiprocessing, name), name
+    assert set(multiprocessing.__all__) < set(mp.__all__)
+    assert mp.reduction is multiprocessing.reduction  # and its submodules
+
+
+def test_registration_is_idempotent_and_only_for_multiprocessing():
+    import cupy
+
+    reducers = multiprocessing.reduction.ForkingPickler._extra_reducers
+    before = dict(reducers)
+    mp.init_reductions()
+    mp.init_reductions()
+    assert reducers == before
+    assert reducers[cupy.ndarray] is mp._reduce_ndarray
+    assert reducers[cupy.cuda.Event] is mp._reduce_cupy_event
+    assert reducers[cupy_ipc.IpcEvent] is mp._reduce_ipc_event
+    assert cupy.ndarray not in copyreg.dispatch_table  # what pickle.dumps consults
+
+
+@pytest.mark.parametrize("method,warns", [("fork", True), ("spawn", False), ("forkserver", False)])
+def test_warns_once_when_the_default_start_method_is_fork(monkeypatch, recwarn, method, warns):
+    monkeypatch.setattr(mp, "_warned_fork", False)
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: method)
+    mp._warn_if_fork_default()
+    mp._warn_if_fork_default()
+    messages = [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == (1 if warns else 0)
+    if warns:
+        assert "'spawn'" in messages[0] and "'forkserver'" in messages[0]
+
+
+def test_fork_check_passes_in_a_child_of_a_process_without_cuda():
+    # In a fresh interpreter: this one may have initialized CUDA (on a GPU host).
+    code = """
+import os
+from cupy_ipc import _fork
+assert not _fork.cuda_initialized()
+pid = os.fork()
+if pid == 0:
+    try:
+        _fork.check()
+    except BaseException:
+        os._exit(3)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+raise SystemExit(os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
