@@ -235,6 +235,44 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def summary(t: list[float]) -> dict[str, float]:
+    """Median, 10th and 90th percentiles of times in seconds, in µs."""
+    return {
+        "median_us": statistics.median(t) * 1e6,
+        "p10_us": statistics.quantiles(t, n=10)[0] * 1e6 if len(t) >= 10 else min(t) * 1e6,
+        "p90_us": statistics.quantiles(t, n=10)[-1] * 1e6 if len(t) >= 10 else max(t) * 1e6,
+    }
+
+
+def run(sizes: list[int], methods: list[str], iters: int, rounds: int, warmup: int) -> list[dict[str, Any]]:
+    """Every (size, method, fresh/re-sent) case, in rotated rounds; one result row per case."""
+    methods = [m for m in methods if available(m)]
+    cases = [(nbytes, method, resent) for nbytes in sizes for method in methods for resent in (False, True)
+             if not (method == "bare" and resent)]
+    samples: dict[tuple[int, str, bool], list[float]] = {case: [] for case in cases}
+    for r in range(rounds):
+        for i in range(len(methods)):
+            method = methods[(i + r) % len(methods)]
+            todo = []
+            for nbytes, m, resent in cases:
+                if m != method:
+                    continue
+                total = max(3, min(iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
+                n = max(1, total // rounds)
+                todo.append((nbytes, resent, n, min(warmup, max(1, n // 10))))
+
+            def report(case: tuple[int, str, bool], t: list[float], r: int = r) -> None:
+                samples[case].extend(t)
+                nbytes, method, resent = case
+                print(f"round {r + 1}/{rounds} {size_label(nbytes):>8} {method:<9} "
+                      f"{'re-sent' if resent else 'fresh':<8} median {statistics.median(t) * 1e6:10.1f} us "
+                      f"({len(t)} messages)", flush=True)
+
+            measure(method, todo, report)
+    return [{"method": method, "bytes": nbytes, "resent": resent, "iters": len(t), **summary(t)}
+            for (nbytes, method, resent), t in samples.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1MiB", help="comma-separated sizes, e.g. 4KiB,1MiB,64MiB")
@@ -252,38 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"roundtrip: no GPU: {reason}", file=sys.stderr)
         return 1
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    methods = [m for m in args.methods.split(",") if available(m)]
-    cases = [(nbytes, method, resent) for nbytes in sizes for method in methods for resent in (False, True)
-             if not (method == "bare" and resent)]
-    samples: dict[tuple[int, str, bool], list[float]] = {case: [] for case in cases}
-    for r in range(args.rounds):
-        for i in range(len(methods)):
-            method = methods[(i + r) % len(methods)]
-            todo = []
-            for nbytes, m, resent in cases:
-                if m != method:
-                    continue
-                total = max(3, min(args.iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
-                iters = max(1, total // args.rounds)
-                todo.append((nbytes, resent, iters, min(args.warmup, max(1, iters // 10))))
-
-            def report(case: tuple[int, str, bool], t: list[float], r: int = r) -> None:
-                samples[case].extend(t)
-                nbytes, method, resent = case
-                print(f"round {r + 1}/{args.rounds} {size_label(nbytes):>8} {method:<9} "
-                      f"{'re-sent' if resent else 'fresh':<8} median {statistics.median(t) * 1e6:10.1f} us "
-                      f"({len(t)} messages)", flush=True)
-
-            measure(method, todo, report)
-    results = []
-    for (nbytes, method, resent), t in samples.items():
-        results.append({
-            "method": method, "bytes": nbytes, "resent": resent, "iters": len(t),
-            "median_us": statistics.median(t) * 1e6,
-            "p10_us": statistics.quantiles(t, n=10)[0] * 1e6 if len(t) >= 10 else min(t) * 1e6,
-            "p90_us": statistics.quantiles(t, n=10)[-1] * 1e6 if len(t) >= 10 else max(t) * 1e6,
-        })
+    results = run([parse_size(s) for s in args.sizes.split(",")], args.methods.split(","), args.iters,
+                  args.rounds, args.warmup)
     doc = {"environment": environment(), "results": results}
     table = markdown(doc)
     print(table)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m cupy_ipc demo``."""
+"""Command line: ``python -m cupy_ipc demo`` and ``python -m cupy_ipc doctor [--json]``."""
 
 from __future__ import annotations
 
@@ -6,15 +6,20 @@ import argparse
 import sys
 
 from ._demo import run_demo
+from ._doctor import run_doctor
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupy_ipc", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="share an array and events with a consumer process, checked and timed")
+    doctor = sub.add_parser("doctor", help="say what this host can do with CUDA IPC, and why (exit 1 if it cannot)")
+    doctor.add_argument("--json", action="store_true", help="print the report as one line of JSON")
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo()
+    if args.command == "doctor":
+        return run_doctor(as_json=args.json)
     return 2
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU check, end to end, on a machine with an NVIDIA GPU:
-# install without touching the machine's CuPy, the gpu tests, the demo, the
-# notebooks and a short benchmark, then a summary. Logs go to $OUT (default /tmp/cupy_ipc-check).
+# The whole GPU check, end to end, on a machine with an NVIDIA GPU: install
+# without touching the machine's CuPy; the gpu tests, the cpu tests, the demo,
+# doctor, the benchmark suite and the notebooks (which read the suite's
+# results); then a summary. Logs, executed notebooks and benchmark results go
+# to $OUT (default /tmp/cupy_ipc-check).
+# Knobs: PYTEST_ARGS, BENCH_SIZES, BENCH_METHODS, BENCH_ITERS, BENCH_ROUNDS.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cupy_ipc-check}
@@ -13,6 +16,11 @@ if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.lo
     echo "pip install -e failed (see install.log); using PYTHONPATH"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# Jupyter and matplotlib, for a machine without an index: wheels brought in .whl/.
+if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --target /tmp/cupy_ipc-site .whl/*.whl >"$OUT/whl.log" 2>&1
+    export PYTHONPATH="/tmp/cupy_ipc-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi -L
 $PY -c "import cupy, cuda.bindings; print('cupy', cupy.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 
@@ -23,22 +31,22 @@ $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "
 cpu_rc=$?
 $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
 demo_rc=$?
-# Notebooks need Jupyter packages; a machine without an index gets them as wheels in .whl/.
-if [ -d .whl ] && ! $PY -c "import nbclient, ipykernel" 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --target /tmp/cupy_ipc-site .whl/*.whl >"$OUT/whl.log" 2>&1
-    NB_PATH=/tmp/cupy_ipc-site
-fi
-PYTHONPATH="${NB_PATH:-}${PYTHONPATH:+:$PYTHONPATH}" $PY scripts/run_notebooks.py 2>&1 | tee "$OUT/notebooks.log"
-nb_rc=$?
-$PY benchmarks/roundtrip.py --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,torch,staging} --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
-    --json "$OUT/roundtrip.json" --markdown "$OUT/roundtrip.md" 2>&1 | tee "$OUT/bench.log"
+$PY -m cupy_ipc doctor 2>&1 | tee "$OUT/doctor.log"
+doctor_rc=$?
+$PY benchmarks/suite.py --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,torch,staging} \
+    --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
+    --out benchmarks/results 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
+mkdir -p "$OUT/results" && cp benchmarks/results/suite.* benchmarks/results/*.png "$OUT/results/" 2>/dev/null
+$PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
+nb_rc=$?
 
 echo
 echo "===== cupy_ipc GPU check summary ====="
 echo "gpu tests: $(tail -n 1 "$OUT/gpu-tests.log")"
 echo "cpu tests: $(tail -n 1 "$OUT/cpu-tests.log")"
 echo "$(tail -n 1 "$OUT/notebooks.log")"
-echo "demo: exit $demo_rc; benchmark: exit $bench_rc"
-cat "$OUT/roundtrip.md" 2>/dev/null
-[ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $nb_rc -eq 0 ] && [ $bench_rc -eq 0 ]
+echo "demo: exit $demo_rc; doctor: exit $doctor_rc; benchmark suite: exit $bench_rc"
+tail -n 12 "$OUT/doctor.log"
+[ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $doctor_rc -eq 0 ] && [ $nb_rc -eq 0 ] \
+    && [ $bench_rc -eq 0 ]

@@ -1,0 +1,125 @@
+"""Read bandwidth of a consumer on a mapped array, against a local copy, and across GPUs.
+
+The consumer process opens the producer's array and times a read kernel
+(float4 loads, grid-stride, one partial sum per block) with CUDA events over
+the mapped memory and over a copy in its own memory. With two GPUs and peer
+access, it also reads the producer's GPU-0 array from GPU 1 (a peer read over
+NVLink or PCIe) against GPU 1 reading its own copy.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+from typing import Any
+
+READ_SOURCE = r"""
+extern "C" __global__ void read(const float4* x, unsigned long long n4, float* partial) {
+    float acc = 0.0f;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n4;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        float4 v = x[i];
+        acc += v.x + v.y + v.z + v.w;
+    }
+    if (acc == 12345.678f) partial[blockIdx.x] = acc;  // keeps the loads; never true for our data
+}
+"""
+
+
+def _read_gbps(ptr: int, nbytes: int, reps: int) -> float:
+    """Median read bandwidth (GB/s) of the kernel over ``nbytes`` at ``ptr``, on the current device."""
+    import cupy
+    import numpy as np
+
+    kernel = cupy.RawKernel(READ_SOURCE, "read")
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    partial = cupy.zeros(sms * 8, cupy.float32)
+    args = (np.uint64(ptr), np.uint64(nbytes // 16), partial)
+    kernel((sms * 8,), (256,), args)  # load the module and warm the caches' way in
+    cupy.cuda.get_current_stream().synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        kernel((sms * 8,), (256,), args)
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _peer_read(a: Any, dev: int, other: int, reps: int) -> dict[str, Any]:
+    import cupy
+
+    with cupy.cuda.Device(other):
+        try:
+            cupy.cuda.runtime.deviceEnablePeerAccess(dev)
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            if "PeerAccessAlreadyEnabled" not in str(e):
+                raise
+        own = cupy.empty(a.shape, a.dtype)
+        return {"peer_gbps": _read_gbps(a.data.ptr, a.nbytes, reps),
+                "peer_local_gbps": _read_gbps(own.data.ptr, own.nbytes, reps),
+                "peer_devices": f"GPU {other} reads GPU {dev}"}
+
+
+def _consumer(data: bytes, reps: int, conn: Any) -> None:
+    try:
+        import cupy
+
+        import cupy_ipc
+
+        h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+        out: dict[str, Any] = {}
+        with h as a:
+            dev = a.device.id
+            local = a.copy()
+            cupy.cuda.get_current_stream().synchronize()
+            out["mapped_gbps"] = _read_gbps(a.data.ptr, a.nbytes, reps)
+            out["local_gbps"] = _read_gbps(local.data.ptr, local.nbytes, reps)
+            del local
+            if cupy.cuda.runtime.getDeviceCount() > 1:
+                other = 1 - dev if dev < 2 else 0
+                if cupy.cuda.runtime.deviceCanAccessPeer(other, dev):
+                    try:
+                        out.update(_peer_read(a, dev, other, reps))
+                    except Exception as e:  # noqa: BLE001 - the same-GPU figures still count
+                        out["peer_error"] = f"{type(e).__name__}: {e}"
+                else:
+                    out["peer_error"] = f"GPU {other} has no peer access to GPU {dev}"
+        del a
+        conn.send(("ok", out))
+    except Exception as e:  # noqa: BLE001 - reported by the suite
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+
+
+def run(nbytes: int = 1 << 30, reps: int = 20) -> dict[str, Any]:
+    """Read bandwidths (GB/s) in a consumer process, with the mapped/local ratio."""
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(nbytes // 4, cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_consumer, args=(cupy_ipc.get_ipc_handle(a).to_bytes(), reps, child), daemon=True)
+    proc.start()
+    try:
+        if not conn.poll(600):
+            raise TimeoutError("the bandwidth consumer did not answer within 600 s")
+        status, out = conn.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if status == "err":
+        raise RuntimeError(out)
+    out["bytes"] = nbytes
+    out["mapped_over_local"] = out["mapped_gbps"] / out["local_gbps"]
+    if "peer_gbps" in out:
+        out["peer_over_local"] = out["peer_gbps"] / out["peer_local_gbps"]
+    print(f"read bandwidth: mapped {out['mapped_gbps']:.0f} GB/s, local copy {out['local_gbps']:.0f} GB/s "
+          f"({out['mapped_over_local']:.1%})" + (f"; peer {out['peer_gbps']:.0f} GB/s ({out['peer_devices']})"
+                                               if "peer_gbps" in out else ""), flush=True)
+    return out

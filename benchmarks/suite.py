@@ -1,0 +1,120 @@
+"""The benchmark suite: one command, every comparison side by side, JSON + Markdown + PNG.
+
+Runs, on a GPU machine and in one go:
+
+1. message round trips (``roundtrip.py``) for each size, fresh and re-sent:
+   cupy_ipc, ``cupy_ipc.multiprocessing``, raw CuPy runtime calls (the floor),
+   ``torch.multiprocessing`` (when PyTorch is installed) and host staging;
+2. event ping-pong between two processes (``events.py``);
+3. read bandwidth of a consumer on a mapped array against a local copy, and
+   with two GPUs, peer reads (``bandwidth.py``).
+
+It prints progress, then writes ``suite.json``, ``suite.md`` and
+``roundtrip.png`` (latency against size, log axes, one line per method) to
+``--out``.
+
+Usage::
+
+    python benchmarks/suite.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bandwidth  # noqa: E402 - the benchmark modules sit next to this script
+import events  # noqa: E402
+import plots  # noqa: E402
+import roundtrip  # noqa: E402
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    env = doc["environment"]
+    out = [f"Machine: {env['gpus']} × {env['gpu']}; driver CUDA {env['driver']}, runtime {env['runtime']}, "
+           f"CuPy {env['cupy']}, PyTorch {env.get('torch', 'not installed')}, Python {env['python']}, "
+           f"cupy_ipc {env['cupy_ipc']}; {env['date']}.", f"Command: `{env['command']}`", ""]
+    if "roundtrip" in doc:
+        out += ["### Message round trips", "", roundtrip.markdown({"results": doc["roundtrip"]})]
+    if "events" in doc:
+        e = doc["events"]
+        out += ["### Event ping-pong between two processes", "",
+                "| exchange | median µs | p10–p90 µs |", "|---|---:|---:|"]
+        out += [f"| {k} | {v['median_us']:.1f} | {v['p10_us']:.0f}–{v['p90_us']:.0f} |" for k, v in e.items()]
+        out.append("")
+    if "bandwidth" in doc:
+        b = doc["bandwidth"]
+        out += ["### Consumer read bandwidth", "", "| read | GB/s |", "|---|---:|",
+                f"| mapped array (another process's memory) | {b['mapped_gbps']:.0f} |",
+                f"| local copy | {b['local_gbps']:.0f} |",
+                f"| mapped ÷ local | {b['mapped_over_local']:.1%} (target ≥ 98%) |"]
+        if "peer_gbps" in b:
+            out += [f"| peer read, {b['peer_devices']} | {b['peer_gbps']:.0f} |",
+                    f"| the reading GPU's own copy | {b['peer_local_gbps']:.0f} |"]
+        elif "peer_error" in b:
+            out.append(f"| peer read | failed: {b['peer_error']} |")
+        out.append("")
+    for step, error in doc.get("errors", {}).items():
+        out.append(f"**{step} failed:** {error}")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="4KiB,1MiB,64MiB,1GiB")
+    parser.add_argument("--methods", default=",".join(roundtrip.METHODS))
+    parser.add_argument("--iters", type=int, default=900, help="messages per round-trip case, over all rounds")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--pingpong-iters", type=int, default=2000)
+    parser.add_argument("--bandwidth-bytes", default="1GiB")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+
+    from cupy_ipc._cuda import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"suite: no GPU: {reason}", file=sys.stderr)
+        return 1
+    import cupy
+
+    os.makedirs(args.out, exist_ok=True)
+    env = roundtrip.environment()
+    env["gpus"] = cupy.cuda.runtime.getDeviceCount()
+    doc: dict[str, Any] = {"environment": env, "errors": {}}
+    steps = [
+        ("roundtrip", lambda: roundtrip.run([roundtrip.parse_size(s) for s in args.sizes.split(",")],
+                                            args.methods.split(","), args.iters, args.rounds, args.warmup)),
+        ("events", lambda: events.run(args.pingpong_iters, max(1, args.pingpong_iters // 10))),
+        ("bandwidth", lambda: bandwidth.run(roundtrip.parse_size(args.bandwidth_bytes))),
+    ]
+    for i, (name, step) in enumerate(steps, 1):
+        t = time.perf_counter()
+        print(f"[{i}/{len(steps)}] {name} ...", flush=True)
+        try:
+            doc[name] = step()
+        except Exception as e:  # record it, run the other steps
+            doc["errors"][name] = f"{type(e).__name__}: {e}"
+            print(f"[{i}/{len(steps)}] {name} FAILED: {e}", flush=True)
+        print(f"[{i}/{len(steps)}] {name} took {time.perf_counter() - t:.0f} s", flush=True)
+    with open(os.path.join(args.out, "suite.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    table = markdown(doc)
+    with open(os.path.join(args.out, "suite.md"), "w") as f:
+        f.write(table)
+    if "roundtrip" in doc:
+        plots.draw_roundtrip(doc["roundtrip"], os.path.join(args.out, "roundtrip.png"),
+                             f"Per-message round trip between two processes, {env['gpu']}")
+    print(table)
+    return 1 if doc["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

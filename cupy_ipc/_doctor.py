@@ -1,0 +1,426 @@
+"""``python -m cupy_ipc doctor``: what this host can do with CUDA IPC, and why.
+
+The report is a plain dict (``--json`` prints it on one line): the platform,
+versions, GPUs, peer access, the start method, ptrace rules, where the
+liveness segments live, and each sharing mode with a live two-process
+self-test. Each problem found comes with its cause and a remedy.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ._cuda import unavailable_reason
+
+__all__ = ["build_report", "render", "run_doctor"]
+
+_COMPUTE_MODES = {0: "default", 1: "exclusive-thread", 2: "prohibited", 3: "exclusive-process"}
+_SELF_TEST_BYTES = 1 << 20
+_SELF_TEST_TRIPS = 20
+
+# Causes and remedies for the CUDA errors a self-test meets, by CUDA error name.
+_REMEDIES = {
+    "cudaErrorMapBufferObjectFailed": (
+        "the driver could not map the other process's memory",
+        "in a container, share the host's IPC and PID namespaces (docker run --ipc=host --pid=host); "
+        "both processes must see the same GPU",
+    ),
+    "cudaErrorInvalidResourceHandle": (
+        "the handle was not valid in the consumer",
+        "run producer and consumer in the same IPC namespace (docker run --ipc=host)",
+    ),
+    "cudaErrorDeviceUninitialized": (
+        "the consumer could not import the handle into its context",
+        "run producer and consumer as separate processes in the same IPC namespace",
+    ),
+    "cudaErrorNotSupported": (
+        "this platform does not support CUDA IPC (WSL, or a virtual GPU or MIG instance without it)",
+        "run on native Linux with a full GPU, or share through host memory",
+    ),
+    "cudaErrorDevicesUnavailable": (
+        "the GPU is in a compute mode that admits one process only",
+        "nvidia-smi -i <gpu> -c DEFAULT (as root)",
+    ),
+}
+
+
+# --- host ---------------------------------------------------------------------------
+def _host() -> dict[str, Any]:
+    try:
+        with open("/proc/version") as f:
+            wsl = "microsoft" in f.read().lower()
+    except OSError:
+        wsl = False
+    return {
+        "platform": sys.platform,
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "bits": 64 if sys.maxsize > 2**32 else 32,
+        "wsl": wsl,
+    }
+
+
+def _segments() -> dict[str, Any]:
+    from ._segment import _dir
+
+    path = _dir()
+    return {"dir": path, "writable": os.access(path, os.W_OK), "shared_memory": path == "/dev/shm"}
+
+
+def _start_method() -> dict[str, Any]:
+    default = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return {"default": default, "available": multiprocessing.get_all_start_methods()}
+
+
+_PIDFD_PROBE = """
+import ctypes, errno, os, sys
+try:
+    pidfd = os.pidfd_open(int(sys.argv[1]))
+except (AttributeError, OSError) as e:
+    print("unavailable", getattr(e, "errno", 0) or 0); raise SystemExit
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.syscall(438, pidfd, 0, 0)  # pidfd_getfd(pidfd, targetfd=0, flags=0)
+print("allowed 0" if fd >= 0 else f"refused {ctypes.get_errno()}")
+"""
+
+
+def _ptrace() -> dict[str, Any]:
+    """Yama's ptrace rule, and whether a process may take a descriptor of one it did not start."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            scope: int | None = int(f.read().strip())
+    except (OSError, ValueError):
+        scope = None
+    # The child asks for a descriptor of its parent: the relation of a consumer
+    # to a producer it did not start, which ptrace_scope 1 refuses.
+    try:
+        out = subprocess.run([sys.executable, "-c", _PIDFD_PROBE, str(os.getpid())], capture_output=True,
+                             text=True, timeout=30).stdout.split()
+        state, code = out[0], int(out[1])
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        state, code = "unavailable", 0
+    return {
+        "ptrace_scope": scope,
+        "pidfd_getfd": state,
+        "pidfd_getfd_error": errno.errorcode.get(code, str(code)) if code else None,
+    }
+
+
+def _versions() -> dict[str, Any]:
+    import cupy
+
+    out: dict[str, Any] = {"cupy": cupy.__version__}
+    try:
+        from cuda import bindings
+
+        out["cuda_bindings"] = bindings.__version__
+    except ImportError:
+        out["cuda_bindings"] = None
+    try:
+        d, r = cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.runtimeGetVersion()
+        out["driver_cuda"] = f"{d // 1000}.{d % 1000 // 10}"
+        out["runtime"] = f"{r // 1000}.{r % 1000 // 10}"
+    except Exception:  # no driver: the report says so elsewhere
+        out["driver_cuda"] = out["runtime"] = None
+    return out
+
+
+def _gpus() -> list[dict[str, Any]]:
+    import cupy
+
+    from ._cuda import _uuid_text, device_uuid
+
+    rt = cupy.cuda.runtime
+    gpus = []
+    for i in range(rt.getDeviceCount()):
+        p = rt.getDeviceProperties(i)
+        mode = rt.deviceGetAttribute(rt.cudaDevAttrComputeMode, i)
+        gpus.append({
+            "ordinal": i,
+            "name": p["name"].decode(),
+            "uuid": "GPU-" + _uuid_text(device_uuid(i)),
+            "memory_bytes": int(p["totalGlobalMem"]),
+            "compute_capability": f"{p['major']}.{p['minor']}",
+            "unified_addressing": bool(rt.deviceGetAttribute(rt.cudaDevAttrUnifiedAddressing, i)),
+            "async_engines": int(rt.deviceGetAttribute(rt.cudaDevAttrAsyncEngineCount, i)),
+            "concurrent_kernels": bool(rt.deviceGetAttribute(rt.cudaDevAttrConcurrentKernels, i)),
+            "compute_mode": _COMPUTE_MODES.get(mode, str(mode)),
+        })
+    return gpus
+
+
+def _peer_matrix(n: int) -> list[list[bool | None]]:
+    import cupy
+
+    return [[None if i == j else bool(cupy.cuda.runtime.deviceCanAccessPeer(i, j)) for j in range(n)]
+            for i in range(n)]
+
+
+# --- the live self-test ---------------------------------------------------------------
+def _self_test_consumer(conn: Any) -> None:
+    """In a spawned process: open each array handle, check it, answer; open events and wait."""
+    import cupy
+
+    from . import IpcArrayHandle, IpcEventHandle
+
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        kind, data = msg
+        try:
+            if kind == "array":
+                with IpcArrayHandle.from_bytes(data) as a:
+                    first = float(a[0])
+                del a
+                conn.send(("ok", first))
+            elif kind == "write":  # open, write -1 at 0, finish, answer with the sum before writing
+                with IpcArrayHandle.from_bytes(data) as a:
+                    total = float(a.sum())
+                    a[0] = -1
+                    cupy.cuda.get_current_stream().synchronize()
+                del a
+                conn.send(("ok", total))
+            else:  # "event"
+                ev = IpcEventHandle.from_bytes(data).open()
+                ev.wait()
+                ev.close()
+                conn.send(("ok", None))
+        except Exception as e:  # noqa: BLE001 - reported by the doctor
+            conn.send(("err", (type(e).__name__, str(e), getattr(e, "cuda_error", None))))
+
+
+def _ask(conn: Any, msg: Any) -> Any:
+    conn.send(msg)
+    if not conn.poll(60):
+        raise TimeoutError("the self-test's consumer process did not answer within 60 s")
+    status, value = conn.recv()
+    if status == "err":
+        name, text, cuda_error = value
+        raise _ConsumerError(f"{name}: {text}", cuda_error)
+    return value
+
+
+class _ConsumerError(Exception):
+    def __init__(self, message: str, cuda_error: str | None) -> None:
+        super().__init__(message)
+        self.cuda_error = cuda_error
+
+
+_LEGACY: dict[str, Any] = {"name": "legacy", "title": "legacy handles (cudaMalloc memory)", "available": True,
+                           "works": False, "round_trip_us": {}, "detail": "", "cause": "", "remedy": ""}
+
+
+def _legacy_self_test(devices: list[int]) -> dict[str, Any]:
+    """Share a 1 MiB array per GPU with a spawned process; time re-sent round trips."""
+    import cupy
+
+    import cupy_ipc
+
+    result: dict[str, Any] = {**_LEGACY, "round_trip_us": {}}
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_self_test_consumer, args=(child,), daemon=True)
+    try:
+        proc.start()
+        for d in devices:
+            with cupy.cuda.Device(d):
+                a = cupy.arange(_SELF_TEST_BYTES // 4, dtype=cupy.float32)
+                expected = float(a.sum())
+                if _ask(conn, ("write", cupy_ipc.get_ipc_handle(a).to_bytes())) != expected:
+                    raise RuntimeError(f"GPU {d}: the consumer read other values than were written")
+                if float(a[0]) != -1:
+                    raise RuntimeError(f"GPU {d}: the consumer's write did not reach the producer's memory")
+                ev = cupy_ipc.IpcEvent()
+                ev.record()
+                _ask(conn, ("event", ev.get_ipc_handle().to_bytes()))
+                ev.close()
+                a[0] = 7
+                times = []
+                for _ in range(_SELF_TEST_TRIPS):
+                    t = time.perf_counter()
+                    if _ask(conn, ("array", cupy_ipc.get_ipc_handle(a).to_bytes())) != 7:
+                        raise RuntimeError(f"GPU {d}: the consumer read a wrong value")
+                    times.append(time.perf_counter() - t)
+                result["round_trip_us"][str(d)] = round(statistics.median(times) * 1e6, 1)
+        result["works"] = True
+        result["detail"] = "shared an array and an event with a spawned process, both directions, values checked"
+    except Exception as e:  # the report explains it
+        result["detail"] = f"{type(e).__name__}: {e}"
+        cause, remedy = _REMEDIES.get(getattr(e, "cuda_error", None) or "", (
+            str(e), "run `python -m cupy_ipc demo` to see the failing step; check the items above"))
+        result["cause"], result["remedy"] = cause, remedy
+    finally:
+        if proc.is_alive():
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            proc.join(20)
+        if proc.is_alive():
+            proc.kill()
+    return result
+
+
+def _not_built(name: str, title: str) -> dict[str, Any]:
+    from . import __version__
+
+    return {"name": name, "title": title, "available": False, "works": None, "round_trip_us": {},
+            "detail": f"cupy_ipc {__version__} does not share this kind of allocation yet", "cause": "", "remedy": ""}
+
+
+# --- the report ---------------------------------------------------------------------------
+def _problems(report: dict[str, Any]) -> list[dict[str, str]]:
+    out = []
+    host = report["host"]
+    if host["platform"] != "linux":
+        out.append({"what": f"platform {host['platform']}", "cause": "CUDA IPC works on Linux only",
+                    "remedy": "run on Linux"})
+    if host["bits"] != 64:
+        out.append({"what": "32-bit interpreter", "cause": "CUDA IPC needs a 64-bit process",
+                    "remedy": "use a 64-bit Python"})
+    if host["wsl"]:
+        out.append({"what": "WSL", "cause": "WSL does not support CUDA IPC handles",
+                    "remedy": "run on native Linux"})
+    if not report["segments"]["writable"]:
+        out.append({"what": f"{report['segments']['dir']} not writable",
+                    "cause": "cupy_ipc keeps each producer's liveness segment there",
+                    "remedy": "mount /dev/shm writable (in a container: --ipc=host or --shm-size)"})
+    elif not report["segments"]["shared_memory"]:
+        out.append({"what": "no /dev/shm", "cause": f"segments fall back to {report['segments']['dir']}, "
+                    "which processes in other containers may not see",
+                    "remedy": "share /dev/shm between the processes (--ipc=host)"})
+    for g in report["gpus"]:
+        if g["compute_mode"] in ("exclusive-process", "exclusive-thread", "prohibited"):
+            out.append({"what": f"GPU {g['ordinal']} compute mode {g['compute_mode']}",
+                        "cause": "a second process cannot open a context on it, so no consumer can map its memory",
+                        "remedy": f"nvidia-smi -i {g['ordinal']} -c DEFAULT (as root)"})
+        if not g["unified_addressing"]:
+            out.append({"what": f"GPU {g['ordinal']} without unified addressing",
+                        "cause": "CUDA IPC needs unified virtual addressing", "remedy": "use a 64-bit Linux host"})
+    if report["start_method"]["default"] == "fork":
+        out.append({"what": "default start method 'fork'",
+                    "cause": "a child forked after CUDA was initialized cannot use CUDA",
+                    "remedy": "multiprocessing.get_context('spawn') or set_start_method('spawn')"})
+    for m in report["modes"]:
+        if m["available"] and not m["works"]:
+            out.append({"what": f"mode {m['name']} failed its self-test", "cause": m["cause"], "remedy": m["remedy"]})
+    return out
+
+
+def build_report(self_test: bool = True) -> dict[str, Any]:
+    """Everything ``doctor`` knows about this host, as a JSON-able dict.
+
+    Example:
+        >>> report = build_report(self_test=False)
+        >>> sorted(report)[:3]
+        ['cupy_ipc', 'gpu_error', 'gpus']
+    """
+    from . import __version__
+
+    report: dict[str, Any] = {
+        "cupy_ipc": __version__,
+        "host": _host(),
+        "segments": _segments(),
+        "start_method": _start_method(),
+        "ptrace": _ptrace(),
+        "gpu_error": unavailable_reason(),
+        "versions": {},
+        "gpus": [],
+        "peer_access": [],
+        "modes": [],
+    }
+    if report["gpu_error"] is None:
+        report["versions"] = _versions()
+        report["gpus"] = _gpus()
+        report["peer_access"] = _peer_matrix(len(report["gpus"]))
+        usable = [g["ordinal"] for g in report["gpus"] if g["compute_mode"] == "default"]
+        if not usable:
+            legacy = {**_LEGACY, "works": False, "detail": "no GPU admits a second process",
+                      "cause": "every GPU is in an exclusive or prohibited compute mode",
+                      "remedy": "nvidia-smi -c DEFAULT (as root)"}
+        elif self_test:
+            legacy = _legacy_self_test(usable)
+        else:
+            legacy = {**_LEGACY, "works": None, "detail": "self-test not run"}
+        report["modes"] = [
+            legacy,
+            _not_built("vmm-fd", "descriptors, virtual-memory allocations (cuMemCreate)"),
+            _not_built("pool-fd", "descriptors, stream-ordered pools (cudaMallocAsync)"),
+        ]
+    report["problems"] = _problems(report)
+    available = [m for m in report["modes"] if m["available"]]
+    report["ok"] = report["gpu_error"] is None and bool(available) and all(m["works"] for m in available)
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    """The one-screen text form of a report."""
+    h, lines = report["host"], []
+    lines.append(f"cupy_ipc {report['cupy_ipc']} doctor")
+    lines.append(f"host          {h['platform']} {h['kernel']} {h['machine']}, Python {h['python']} "
+                 f"({h['bits']}-bit){', WSL' if h['wsl'] else ''}")
+    v = report["versions"]
+    lines.append(f"versions      driver (CUDA) {v.get('driver_cuda')}, runtime {v.get('runtime')}, "
+                 f"CuPy {v.get('cupy')}, cuda-bindings {v.get('cuda_bindings')}")
+    for g in report["gpus"]:
+        lines.append(
+            f"GPU {g['ordinal']:<9} {g['name']}  {g['uuid']}  {g['memory_bytes'] / 2**30:.1f} GiB  "
+            f"cc {g['compute_capability']}  UVA {'yes' if g['unified_addressing'] else 'NO'}  "
+            f"async engines {g['async_engines']}  concurrent kernels "
+            f"{'yes' if g['concurrent_kernels'] else 'no'}  compute mode {g['compute_mode']}")
+    m = report["peer_access"]
+    if len(m) > 1:
+        pairs = ", ".join(f"{i}->{j} {'yes' if m[i][j] else 'no'}" for i in range(len(m)) for j in range(len(m))
+                          if i != j)
+        lines.append(f"peer access   {pairs}")
+    elif m:
+        lines.append("peer access   one GPU: nothing to pair")
+    s = report["segments"]
+    lines.append(f"segments      {s['dir']} ({'writable' if s['writable'] else 'NOT writable'})")
+    p = report["ptrace"]
+    scope = "no Yama (not restricted)" if p["ptrace_scope"] is None else str(p["ptrace_scope"])
+    getfd = p["pidfd_getfd"] + (f" ({p['pidfd_getfd_error']})" if p["pidfd_getfd_error"] else "")
+    lines.append(f"ptrace        ptrace_scope {scope}; pidfd_getfd from another process: {getfd}")
+    lines.append(f"start method  default '{report['start_method']['default']}'")
+    if report["modes"]:
+        lines.append("modes")
+    for mode in report["modes"]:
+        if not mode["available"]:
+            verdict = f"not available: {mode['detail']}"
+        elif mode["works"]:
+            rt = ", ".join(f"GPU {d} {us:.0f} µs" for d, us in mode["round_trip_us"].items())
+            verdict = f"works (round trip {rt})"
+        elif mode["works"] is None:
+            verdict = mode["detail"]
+        else:
+            verdict = f"FAILS: {mode['detail']}"
+        lines.append(f"  {mode['title']:<55} {verdict}")
+    if report["problems"]:
+        lines.append("problems")
+        for pr in report["problems"]:
+            lines.append(f"  {pr['what']}: {pr['cause']}. Remedy: {pr['remedy']}")
+    lines.append("verdict: every available mode works" if report["ok"] else "verdict: CUDA IPC does NOT work here")
+    return "\n".join(lines)
+
+
+def run_doctor(as_json: bool = False) -> int:
+    """Print the report; returns 0 when every available mode works, else 1."""
+    reason = unavailable_reason()
+    if reason and not as_json:
+        print(f"cupy_ipc doctor: no GPU to check: {reason}")
+        return 1
+    report = build_report()
+    print(json.dumps(report) if as_json else render(report))
+    return 0 if report["ok"] else 1
+

@@ -1,0 +1,62 @@
+"""The benchmark suite: its report without a GPU, and a smoke run on tiny sizes on a GPU."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from cupy_ipc._cuda import unavailable_reason
+
+SUITE = pathlib.Path(__file__).parent.parent / "benchmarks" / "suite.py"
+
+
+def test_without_a_gpu_the_suite_says_so():
+    if unavailable_reason() is None:
+        pytest.skip("a GPU is visible: the smoke run below runs instead")
+    r = subprocess.run([sys.executable, str(SUITE)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("suite: no GPU:")
+
+
+def test_markdown_reports_each_part():
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        import suite
+    finally:
+        sys.path.remove(str(SUITE.parent))
+    row = {"bytes": 4096, "iters": 3, "median_us": 100.0, "p10_us": 90.0, "p90_us": 110.0}
+    doc = {
+        "environment": {"gpus": 1, "gpu": "G", "driver": 1, "runtime": 1, "cupy": "14", "python": "3", "date": "d",
+                        "cupy_ipc": "0", "command": "c"},
+        "roundtrip": [{**row, "method": "cupy_ipc", "resent": True}, {**row, "method": "raw", "resent": True,
+                                                                      "median_us": 50.0}],
+        "events": {"event": {"median_us": 70.0, "p10_us": 60.0, "p90_us": 80.0}},
+        "bandwidth": {"mapped_gbps": 4000.0, "local_gbps": 4040.0, "mapped_over_local": 0.99},
+        "errors": {"x": "boom"},
+    }
+    text = suite.markdown(doc)
+    assert "| 4 KiB | re-sent | 2.00 |" in text  # cupy_ipc ÷ raw
+    assert "| event | 70.0 |" in text and "99.0% (target ≥ 98%)" in text and "**x failed:** boom" in text
+
+
+@pytest.mark.gpu
+def test_suite_smoke_run_on_tiny_sizes(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
+         "--methods", "bare,raw,cupy_ipc,mp", "--pingpong-iters", "20", "--bandwidth-bytes", "16MiB",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "suite.json").read_text())
+    assert doc["errors"] == {}
+    assert {(row["method"], row["resent"]) for row in doc["roundtrip"]} == {
+        ("bare", False), ("raw", False), ("raw", True), ("cupy_ipc", False), ("cupy_ipc", True), ("mp", False),
+        ("mp", True)}
+    assert doc["events"]["event"]["median_us"] > 0
+    assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
+    assert (tmp_path / "suite.md").read_text().startswith("Machine:")
+    assert "[1/3] roundtrip" in r.stdout  # progress

@@ -1,0 +1,134 @@
+"""``python -m cupy_ipc doctor``: the report's schema, its advice, and the live self-test on a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cupy_ipc._cuda import unavailable_reason
+from cupy_ipc._doctor import _problems, render
+
+HOST_KEYS = {"platform": str, "machine": str, "kernel": str, "python": str, "bits": int, "wsl": bool}
+GPU_KEYS = {"ordinal": int, "name": str, "uuid": str, "memory_bytes": int, "compute_capability": str,
+            "unified_addressing": bool, "async_engines": int, "concurrent_kernels": bool, "compute_mode": str}
+MODE_KEYS = {"name": str, "title": str, "available": bool, "round_trip_us": dict, "detail": str, "cause": str,
+             "remedy": str}
+
+
+def check_schema(report: dict) -> None:
+    assert set(report) == {"cupy_ipc", "host", "segments", "start_method", "ptrace", "gpu_error", "versions",
+                           "gpus", "peer_access", "modes", "problems", "ok"}
+    for key, kind in HOST_KEYS.items():
+        assert isinstance(report["host"][key], kind), key
+    assert isinstance(report["segments"]["writable"], bool)
+    assert report["start_method"]["default"] in report["start_method"]["available"]
+    assert report["ptrace"]["pidfd_getfd"] in ("allowed", "refused", "unavailable")
+    assert report["ptrace"]["ptrace_scope"] in (None, 0, 1, 2, 3)
+    for g in report["gpus"]:
+        for key, kind in GPU_KEYS.items():
+            assert isinstance(g[key], kind), key
+        assert g["uuid"].startswith("GPU-")
+    n = len(report["gpus"])
+    assert len(report["peer_access"]) == n and all(len(row) == n for row in report["peer_access"])
+    for m in report["modes"]:
+        for key, kind in MODE_KEYS.items():
+            assert isinstance(m[key], kind), key
+        assert m["works"] in (True, False, None)
+    for p in report["problems"]:
+        assert set(p) == {"what", "cause", "remedy"} and all(p.values())
+    assert isinstance(report["ok"], bool)
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cupy_ipc", "doctor", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_without_a_gpu_one_line_and_exit_1():
+    if unavailable_reason() is None:
+        pytest.skip("a GPU is visible: test_doctor_on_a_gpu checks the real report")
+    r = _doctor()
+    assert r.returncode == 1
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cupy_ipc doctor: no GPU to check:"), r.stdout
+
+
+def test_json_is_one_line_with_the_schema():
+    r = _doctor("--json")
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    report = json.loads(lines[0])
+    check_schema(report)
+    assert r.returncode == (0 if report["ok"] else 1)
+    if unavailable_reason() is not None:
+        assert report["gpu_error"] and not report["ok"] and report["modes"] == []
+
+
+def _report(**changes):
+    report = {
+        "cupy_ipc": "0", "host": {"platform": "linux", "machine": "x86_64", "kernel": "6", "python": "3.12",
+                                  "bits": 64, "wsl": False},
+        "segments": {"dir": "/dev/shm", "writable": True, "shared_memory": True},
+        "start_method": {"default": "spawn", "available": ["spawn"]},
+        "ptrace": {"ptrace_scope": 1, "pidfd_getfd": "refused", "pidfd_getfd_error": "EPERM"},
+        "gpu_error": None, "versions": {"cupy": "14"},
+        "gpus": [{"ordinal": 0, "name": "G", "uuid": "GPU-0", "memory_bytes": 2**30, "compute_capability": "9.0",
+                  "unified_addressing": True, "async_engines": 4, "concurrent_kernels": True,
+                  "compute_mode": "default"}],
+        "peer_access": [[None]],
+        "modes": [{"name": "legacy", "title": "legacy", "available": True, "works": True,
+                   "round_trip_us": {"0": 120.0}, "detail": "", "cause": "", "remedy": ""}],
+    }
+    for path, value in changes.items():
+        *parents, key = path.split("__")
+        node = report
+        for p in parents:
+            node = node[p] if not p.isdigit() else node[int(p)]
+        node[key] = value
+    report["problems"] = _problems(report)
+    report["ok"] = all(m["works"] for m in report["modes"] if m["available"])
+    return report
+
+
+@pytest.mark.parametrize("changes,what,remedy", [
+    ({"host__wsl": True}, "WSL", "native Linux"),
+    ({"host__platform": "win32"}, "platform win32", "Linux"),
+    ({"segments__writable": False}, "not writable", "--ipc=host"),
+    ({"gpus__0__compute_mode": "exclusive-process"}, "compute mode exclusive-process", "nvidia-smi -i 0 -c DEFAULT"),
+    ({"start_method__default": "fork", "start_method__available": ["fork", "spawn"]}, "'fork'", "spawn"),
+    ({"modes__0__works": False, "modes__0__cause": "the driver could not map", "modes__0__remedy": "--ipc=host"},
+     "legacy failed", "--ipc=host"),
+])
+def test_each_problem_has_a_cause_and_a_remedy(changes, what, remedy):
+    report = _report(**changes)
+    check_schema(report)
+    [problem] = report["problems"]
+    assert what in problem["what"] and remedy in problem["remedy"]
+    text = render(report)
+    assert problem["remedy"] in text
+
+
+def test_render_fits_one_screen_and_gives_a_verdict():
+    ok = render(_report())
+    assert len(ok.splitlines()) <= 24 and ok.endswith("verdict: every available mode works")
+    assert "GPU 0 120 µs" in ok and "pidfd_getfd from another process: refused (EPERM)" in ok
+    bad = render(_report(modes__0__works=False, modes__0__detail="IpcError: x", modes__0__cause="c",
+                         modes__0__remedy="r"))
+    assert "FAILS: IpcError: x" in bad and bad.endswith("does NOT work here")
+
+
+@pytest.mark.gpu
+def test_doctor_on_a_gpu_reports_every_available_mode_working():
+    r = _doctor("--json")
+    report = json.loads(r.stdout)
+    check_schema(report)
+    assert r.returncode == 0 and report["ok"], report
+    legacy = report["modes"][0]
+    assert legacy["name"] == "legacy" and legacy["works"]
+    assert set(legacy["round_trip_us"]) == {str(g["ordinal"]) for g in report["gpus"]}
+    assert all(us > 0 for us in legacy["round_trip_us"].values())
+    text = _doctor()
+    assert text.returncode == 0 and "verdict: every available mode works" in text.stdout
