@@ -13,6 +13,8 @@ import multiprocessing
 import statistics
 from typing import Any
 
+from roundtrip import receive
+
 READ_SOURCE = r"""
 extern "C" __global__ void read(const float4* x, unsigned long long n4, float* partial) {
     float acc = 0.0f;
@@ -105,10 +107,9 @@ def run(nbytes: int = 1 << 30, reps: int = 20) -> dict[str, Any]:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(cupy_ipc.get_ipc_handle(a).to_bytes(), reps, child), daemon=True)
     proc.start()
+    child.close()  # so that a consumer that dies ends our wait
     try:
-        if not conn.poll(600):
-            raise TimeoutError("the bandwidth consumer did not answer within 600 s")
-        status, out = conn.recv()
+        status, out = receive(conn, proc, 600, "the bandwidth consumer")
     finally:
         proc.join(30)
         if proc.is_alive():

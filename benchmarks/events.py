@@ -12,7 +12,7 @@ import multiprocessing
 import time
 from typing import Any
 
-from roundtrip import summary
+from roundtrip import receive, summary
 
 
 def _partner(conn: Any) -> None:
@@ -39,10 +39,11 @@ def run(iters: int = 2000, warmup: int = 200) -> dict[str, Any]:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_partner, args=(child,), daemon=True)
     proc.start()
+    child.close()  # so that a partner that dies ends our waits
     try:
         ours = cupy_ipc.IpcEvent()
         conn.send(ours.get_ipc_handle().to_bytes())
-        theirs = cupy_ipc.IpcEventHandle.from_bytes(conn.recv()).open()
+        theirs = cupy_ipc.IpcEventHandle.from_bytes(receive(conn, proc, 120, "the ping-pong partner")).open()
         out = {}
         for kind in ("pipe", "event", "pipe", "event"):  # twice, interleaved; the second pass counts
             times = []
@@ -61,7 +62,8 @@ def run(iters: int = 2000, warmup: int = 200) -> dict[str, Any]:
               f"(pipe alone {out['pipe']['median_us']:.1f} us)", flush=True)
         return out
     finally:
-        conn.send(None)
+        if proc.is_alive():
+            conn.send(None)
         proc.join(10)
         if proc.is_alive():
             proc.kill()

@@ -152,6 +152,26 @@ def _free(method: str) -> None:
     cupy.get_default_memory_pool().free_all_blocks()
 
 
+def receive(source: Any, proc: Any, timeout: float, who: str) -> Any:
+    """The next message from a ``Connection`` or ``Queue``, or an error once ``proc`` died or ``timeout`` passed."""
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if hasattr(source, "poll"):
+            if source.poll(0.5):
+                return source.recv()
+        else:
+            try:
+                return source.get(timeout=0.5)
+            except queue.Empty:
+                pass
+        if not proc.is_alive():
+            raise RuntimeError(f"{who} (pid {proc.pid}) died with exit code {proc.exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{who} (pid {proc.pid}) did not answer within {timeout:.0f} s")
+
+
 def _context(method: str) -> Any:
     if method == "torch":
         import torch.multiprocessing as tmp
@@ -180,7 +200,7 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
                     arr = _new_buffer(method, nbytes, 1)
                 t = time.perf_counter()
                 inbox.put(_message(method, arr, resent, cache))
-                value = outbox.get(timeout=600)
+                value = receive(outbox, proc, 600, f"the {method} consumer")
                 elapsed = time.perf_counter() - t
                 if method != "bare" and value != 1.0:
                     raise RuntimeError(f"{method}: consumer read {value}, expected 1.0")

@@ -75,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pingpong-iters", type=int, default=2000)
     parser.add_argument("--bandwidth-bytes", default="1GiB")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--watchdog", type=float, default=0,
+                        help="after this many seconds, print every thread's stack and exit (0: never)")
     args = parser.parse_args(argv)
+    if args.watchdog:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
 
     from cupy_ipc._cuda import unavailable_reason
 

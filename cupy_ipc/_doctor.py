@@ -233,6 +233,7 @@ def _legacy_self_test(devices: list[int]) -> dict[str, Any]:
     proc = ctx.Process(target=_self_test_consumer, args=(child,), daemon=True)
     try:
         proc.start()
+        child.close()  # so that a consumer that dies ends our waits
         for d in devices:
             with cupy.cuda.Device(d):
                 a = cupy.arange(_SELF_TEST_BYTES // 4, dtype=cupy.float32)

@@ -17,9 +17,11 @@ if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.lo
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # Jupyter and matplotlib, for a machine without an index: wheels brought in .whl/.
+# Only the suite (plots) and the notebooks see them.
+SITE=${PYTHONPATH:-}
 if [ -d .whl ]; then
     $PY -m pip install -q --no-index --no-deps --target /tmp/cupy_ipc-site .whl/*.whl >"$OUT/whl.log" 2>&1
-    export PYTHONPATH="/tmp/cupy_ipc-site${PYTHONPATH:+:$PYTHONPATH}"
+    SITE="/tmp/cupy_ipc-site${SITE:+:$SITE}"
 fi
 nvidia-smi -L
 $PY -c "import cupy, cuda.bindings; print('cupy', cupy.__version__, 'cuda-bindings', cuda.bindings.__version__)"
@@ -33,12 +35,12 @@ $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
 demo_rc=$?
 $PY -m cupy_ipc doctor 2>&1 | tee "$OUT/doctor.log"
 doctor_rc=$?
-$PY benchmarks/suite.py --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,torch,staging} \
+PYTHONPATH="$SITE" $PY benchmarks/suite.py --watchdog 1800 --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,torch,staging} \
     --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
     --out benchmarks/results 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 mkdir -p "$OUT/results" && cp benchmarks/results/suite.* benchmarks/results/*.png "$OUT/results/" 2>/dev/null
-$PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
+PYTHONPATH="$SITE" $PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
 nb_rc=$?
 
 echo

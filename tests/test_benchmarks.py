@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,8 +48,8 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     r = subprocess.run(
         [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
          "--methods", "bare,raw,cupy_ipc,mp", "--pingpong-iters", "20", "--bandwidth-bytes", "16MiB",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
+         "--out", str(tmp_path), "--watchdog", "150"],
+        capture_output=True, text=True, timeout=200,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((tmp_path / "suite.json").read_text())
@@ -60,3 +61,28 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
     assert (tmp_path / "suite.md").read_text().startswith("Machine:")
     assert "[1/3] roundtrip" in r.stdout  # progress
+
+
+def test_waiting_on_a_dead_partner_ends_with_an_error():
+    import multiprocessing
+    import os
+
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        import roundtrip
+    finally:
+        sys.path.remove(str(SUITE.parent))
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=os._exit, args=(3,))
+    p.start()
+    with pytest.raises(RuntimeError, match="died with exit code 3"):
+        roundtrip.receive(q, p, 60, "the partner")
+    here, _ = ctx.Pipe()
+    alive = ctx.Process(target=time.sleep, args=(30,), daemon=True)
+    alive.start()
+    try:
+        with pytest.raises(TimeoutError, match="did not answer within 1 s"):
+            roundtrip.receive(here, alive, 1, "the partner")
+    finally:
+        alive.kill()
