@@ -27,20 +27,21 @@ nvidia-smi -L
 $PY -c "import cupy, cuda.bindings; print('cupy', cupy.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 
 set -o pipefail
-$PY -m pytest -q -m "gpu or multi_gpu" --timeout 600 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log"
+# Every step has a time limit, so that one that hangs leaves time for the others.
+timeout 300 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log"
 gpu_rc=$?
-$PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log"
+timeout 120 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log"
 cpu_rc=$?
-$PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
+timeout 60 $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
 demo_rc=$?
-$PY -m cupy_ipc doctor 2>&1 | tee "$OUT/doctor.log"
+timeout 120 $PY -m cupy_ipc doctor 2>&1 | tee "$OUT/doctor.log"
 doctor_rc=$?
-PYTHONPATH="$SITE" $PY benchmarks/suite.py --watchdog 1800 --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,torch,staging} \
+PYTHONPATH="$SITE" timeout 330 $PY benchmarks/suite.py --watchdog 320 --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,torch,staging} \
     --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
     --out benchmarks/results 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 mkdir -p "$OUT/results" && cp benchmarks/results/suite.* benchmarks/results/*.png "$OUT/results/" 2>/dev/null
-PYTHONPATH="$SITE" $PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
+PYTHONPATH="$SITE" timeout 150 $PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
 nb_rc=$?
 
 echo
