@@ -55,8 +55,10 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| local copy | {b['local_gbps']:.0f} |",
                 f"| mapped ÷ local | {b['mapped_over_local']:.1%} (target ≥ 98%) |"]
         if "peer_gbps" in b:
-            out += [f"| peer read, {b['peer_devices']} | {b['peer_gbps']:.0f} |",
-                    f"| the reading GPU's own copy | {b['peer_local_gbps']:.0f} |"]
+            out += [f"| peer mapping read, {b['peer_devices']} | {b['peer_gbps']:.0f} |",
+                    f"| memcpyPeer of the same size | {b['memcpy_peer_gbps']:.0f} |",
+                    f"| peer read ÷ memcpyPeer | {b['peer_over_memcpy_peer']:.1%} (target ≥ 90%) |",
+                    f"| the reading GPU's own memory | {b['peer_local_gbps']:.0f} |"]
         elif "peer_error" in b:
             out.append(f"| peer read | failed: {b['peer_error']} |")
         out.append("")

@@ -20,9 +20,10 @@ Example:
 from __future__ import annotations
 
 from . import _events, _keepalive, _mapping
-from ._array_handle import IpcArrayHandle, get_ipc_handle
+from ._array_handle import IpcArrayHandle, OpenInfo, get_ipc_handle, open_info
 from ._errors import ClosedError, HandleError, IpcError, ProducerExitedError
 from ._events import IpcEvent, IpcEventHandle
+from ._groups import Gathered, all_gather, node_local_ranks
 from ._identity import Producer
 from ._keepalive import PinInfo
 from ._mapping import set_idle_mapping_limit
@@ -33,16 +34,21 @@ __version__ = "0.1.0"
 __all__ = [
     "ClosedError",
     "DeviceId",
+    "Gathered",
     "HandleError",
     "IpcArrayHandle",
     "IpcError",
     "IpcEvent",
     "IpcEventHandle",
+    "OpenInfo",
     "PinInfo",
     "Producer",
     "ProducerExitedError",
+    "all_gather",
     "collect",
     "get_ipc_handle",
+    "node_local_ranks",
+    "open_info",
     "pinned",
     "set_idle_mapping_limit",
 ]

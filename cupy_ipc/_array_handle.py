@@ -6,7 +6,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from ._wire import (
     ArrayFields,
     DeviceId,
     Kind,
+    byte_extent,
     dtype_of,
     pack_array,
     splice,
@@ -30,7 +31,7 @@ from ._wire import (
     with_export,
 )
 
-__all__ = ["IpcArrayHandle", "get_ipc_handle"]
+__all__ = ["IpcArrayHandle", "OpenInfo", "get_ipc_handle", "open_info"]
 
 _NO_HANDLE = bytes(64)
 
@@ -227,6 +228,36 @@ def get_ipc_handle(
                                 splice(static, flags, export_id, slot, event))
 
 
+class OpenInfo(NamedTuple):
+    """How an array returned by :meth:`IpcArrayHandle.open` reaches the producer's memory.
+
+    ``device``: the GPU the array belongs to here; ``memory_device``: the GPU
+    holding the producer's memory (both ordinals of this process); ``copied``:
+    a staged copy (no peer access), not a mapping.
+    """
+
+    device: int
+    memory_device: int
+    copied: bool
+
+
+_open_info: "weakref.WeakKeyDictionary[Any, OpenInfo]" = weakref.WeakKeyDictionary()
+
+
+def open_info(array: Any) -> OpenInfo | None:
+    """How an array that :meth:`IpcArrayHandle.open` returned reaches the memory; ``None`` for others.
+
+    Example:
+        >>> import numpy
+        >>> open_info(numpy.zeros(3)) is None
+        True
+    """
+    try:
+        return _open_info.get(array)
+    except TypeError:  # not weak-referenceable: not ours
+        return None
+
+
 def _forget_after_fork() -> None:
     _by_array.clear()  # the templates carry the parent's identity
 
@@ -342,39 +373,88 @@ class IpcArrayHandle:
                 f"device={self._f.device.ordinal} producer=pid {p.pid}@{p.host}>")
 
     # --- opening ------------------------------------------------------------------
-    def open(self, *, stream: Any = None) -> Any:
+    def open(self, *, stream: Any = None, device: int | None = None, copy: bool = False) -> Any:
         """Map the array into this process and return it as a ``cupy.ndarray``.
 
-        The consumer's ``stream`` (default: the current one) waits on the
-        producer's event on the GPU. Queue the work that uses the array on
-        that stream (or after it): its completion is what releases the
-        producer's memory once the array is gone.
+        The consumer's ``stream`` (default: the current one of the GPU the
+        array opens on) waits on the producer's event on the GPU. Queue the
+        work that uses the array on that stream (or after it): its completion
+        is what releases the producer's memory once the array is gone.
 
         In the exporting process this returns a view of the producer's own
         memory without any CUDA IPC call, and so it does in a process that
         receives, from a third one, an array it exported itself.
 
+        Args:
+            stream: Where the consumer orders its work on the array.
+            device: The GPU (an ordinal of this process) to open the array
+                on. By default the GPU holding the memory, found by UUID.
+                Another GPU maps the memory there through peer access
+                (NVLink or PCIe), and the array belongs to that GPU.
+            copy: When ``device`` is not the memory's GPU, copy the array
+                there instead of mapping it across GPUs (needed where the
+                two have no peer access); :func:`open_info` says which.
+
         Raises:
             HandleError: The handle is from another host, names a GPU this
                 process cannot see, or claims more memory than was mapped.
             ProducerExitedError: The producer has exited.
-            IpcError: The producer no longer shares the memory, or CUDA failed.
+            IpcError: ``device`` cannot access the memory's GPU (and not
+                ``copy``), the producer no longer shares the memory, or CUDA
+                failed.
         """
-        arr = self._open(stream)
+        arr = self._open(stream, device, copy)
         self._opened.append(arr)
         return arr
 
-    def _open(self, stream: Any = None) -> Any:
+    def _open(self, stream: Any = None, device: int | None = None, copy: bool = False) -> Any:
         """:meth:`open` without tracking the array: it lives until it is garbage-collected."""
         import cupy
 
         _fork.check()
         f = self._f
         check_same_host(f.producer)
-        device = _cuda.ordinal_of_uuid(f.device.uuid)
+        home = _cuda.ordinal_of_uuid(f.device.uuid)
+        target = home if device is None else _cuda.checked_ordinal(device)
         if f.kind == Kind.EMPTY:
-            with cupy.cuda.Device(device):
-                return cupy.empty(f.shape, f.dtype)
+            with cupy.cuda.Device(target):
+                arr = cupy.empty(f.shape, f.dtype)
+            _open_info[arr] = OpenInfo(target, home, copied=False)
+            return arr
+        peer = _cuda.can_access_peer(target, home)
+        staged = target != home and (copy or not peer)
+        if target != home and not peer and not copy:
+            raise IpcError(
+                f"GPU {target} ({_cuda.uuid_name(target)}) cannot access the memory of GPU {home} "
+                f"({_cuda.uuid_name(home)}), where this array lives: there is no peer access between them. "
+                f"Open it with copy=True to stage a copy on GPU {target}, or open it on GPU {home}"
+            )
+        with _cuda.using_device(target):
+            stream_obj = cupy.cuda.get_current_stream() if stream is None else _cuda.as_cupy_stream(stream)
+        if not staged:
+            arr = self._mapped(target, home, stream_obj, target)
+            _open_info[arr] = OpenInfo(target, home, copied=False)
+            return arr
+        # Map on the memory's GPU, copy to the target on the consumer's
+        # stream, and let the mapping go once that copy is done.
+        src = self._mapped(home, home, stream_obj, target)
+        lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
+        from cupy.cuda import runtime
+
+        with _cuda.using_device(target):
+            dst = cupy.cuda.alloc(hi - lo)
+            _cuda.call("copying the array between GPUs", runtime.memcpyPeerAsync, dst.ptr, target,
+                       src.data.ptr + lo, home, hi - lo, stream_obj.ptr)
+            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(dst, -lo), f.strides)
+        del src
+        _open_info[arr] = OpenInfo(target, home, copied=True)
+        return arr
+
+    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int) -> Any:
+        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it)."""
+        import cupy
+
+        f = self._f
         from_us = f.producer.token == this_process().token
         keep = own_ptr = None
         if from_us:
@@ -385,25 +465,26 @@ class IpcArrayHandle:
         elif f.memory_handle in _exported:  # our memory, sent back to us by another process
             own_ptr, buffer_id = _exported[f.memory_handle]
             _check_still_allocated(own_ptr, buffer_id)
+        if own_ptr is not None and map_device != home:
+            _cuda.enable_peer_access(map_device, home)  # CUDA IPC would have done it for an import
         # Raises ProducerExitedError if the producer is gone; in our own
         # process it is a second open file, so that our locks are separate.
         seg = _segment.attach(f.producer.token, f.producer.pid)
-        with _cuda.using_device(device):
-            stream_obj = cupy.cuda.get_current_stream() if stream is None else _cuda.as_cupy_stream(stream)
-            ptr, lease = _mapping.acquire(
-                key=(device, f.kind, f.memory_handle) if own_ptr is None else (device, "own", buffer_id),
-                device=device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
-                own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
-                producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
-            )
-            if f.flags & FLAG_EVENT and not from_us:
-                ev = open_cached(f.event_handle, device, f.producer)
-                if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                    ev.wait(stream_obj)
-            elif f.flags & FLAG_EVENT:
-                _keepalive.wait_own_event(f.export_id, stream_obj)
-            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)
-            return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+        ptr, lease = _mapping.acquire(
+            key=(map_device, f.kind, f.memory_handle) if own_ptr is None else (map_device, "own", buffer_id),
+            device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
+            own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
+            producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
+            stream_device=stream_device,
+        )
+        if f.flags & FLAG_EVENT and not from_us:
+            ev = open_cached(f.event_handle, home, f.producer)
+            if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
+                ev.wait(stream_obj)  # a stream may wait on another GPU's event
+        elif f.flags & FLAG_EVENT:
+            _keepalive.wait_own_event(f.export_id, stream_obj)
+        mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
+        return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
 
     def close(self) -> None:
         """Drop the arrays this handle opened. Idempotent.

@@ -17,14 +17,18 @@ __all__ = [
     "address_range",
     "as_cupy_stream",
     "call",
+    "can_access_peer",
+    "checked_ordinal",
     "device_count",
     "device_uuid",
+    "enable_peer_access",
     "ordinal_of_uuid",
     "pointer_info",
     "stream_idle",
     "stream_ptr",
     "unavailable_reason",
     "using_device",
+    "uuid_name",
 ]
 
 T = TypeVar("T")
@@ -176,6 +180,49 @@ def ordinal_of_uuid(uuid: bytes) -> int:
         f"the GPU with UUID GPU-{_uuid_text(uuid)} is not visible to this process "
         "(check CUDA_VISIBLE_DEVICES)"
     )
+
+
+def checked_ordinal(device: Any) -> int:
+    """``device`` (an ordinal or a ``cupy.cuda.Device``) as a visible ordinal.
+
+    Raises:
+        IpcError: No such GPU in this process.
+    """
+    ordinal = int(getattr(device, "id", device))
+    if not 0 <= ordinal < device_count():
+        raise IpcError(f"there is no GPU {ordinal} in this process ({device_count()} visible)")
+    return ordinal
+
+
+@functools.lru_cache(maxsize=None)
+def can_access_peer(device: int, peer: int) -> bool:
+    """True when kernels on ``device`` can read and write memory of ``peer``."""
+    from cupy.cuda import runtime
+
+    return device == peer or bool(call("asking for peer access", runtime.deviceCanAccessPeer, device, peer))
+
+
+_peers_enabled: set[tuple[int, int]] = set()
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let ``device`` access ``peer``'s memory in this process; idempotent."""
+    if (device, peer) in _peers_enabled:
+        return
+    from cupy.cuda import runtime
+
+    with using_device(device):
+        try:
+            runtime.deviceEnablePeerAccess(peer)
+        except _runtime_error() as e:
+            if _cuda_error_name(e) != "cudaErrorPeerAccessAlreadyEnabled":
+                raise _translated(f"enabling access from GPU {device} to GPU {peer}", e) from e
+    _peers_enabled.add((device, peer))
+
+
+def uuid_name(ordinal: int) -> str:
+    """``GPU-<uuid>`` of a local ordinal, as ``nvidia-smi -L`` prints it."""
+    return "GPU-" + _uuid_text(device_uuid(ordinal))
 
 
 def _uuid_text(uuid: bytes) -> str:

@@ -138,7 +138,7 @@ def _versions() -> dict[str, Any]:
 def _gpus() -> list[dict[str, Any]]:
     import cupy
 
-    from ._cuda import _uuid_text, device_uuid
+    from ._cuda import uuid_name
 
     rt = cupy.cuda.runtime
     gpus = []
@@ -148,7 +148,7 @@ def _gpus() -> list[dict[str, Any]]:
         gpus.append({
             "ordinal": i,
             "name": p["name"].decode(),
-            "uuid": "GPU-" + _uuid_text(device_uuid(i)),
+            "uuid": uuid_name(i),
             "memory_bytes": int(p["totalGlobalMem"]),
             "compute_capability": f"{p['major']}.{p['minor']}",
             "unified_addressing": bool(rt.deviceGetAttribute(rt.cudaDevAttrUnifiedAddressing, i)),

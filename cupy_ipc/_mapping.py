@@ -243,7 +243,7 @@ class Lease:
         self.mapping_key = mapping_key
         self.claim_key = claim_key
         self.stream = stream  # where the consumer's work on the memory is ordered
-        self.device = device
+        self.device = device  # the stream's
         self.ptr = mapping.ptr
         self.imported = mapping.imported
         self.memory_handle = memory_handle
@@ -305,11 +305,13 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
 
 def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
-            producer_pid: int, export_id: int, slot: int, stream: Any) -> tuple[int, Lease]:
-    """Claim the export, map its allocation; returns ``(pointer, lease)``.
+            producer_pid: int, export_id: int, slot: int, stream: Any,
+            stream_device: int | None = None) -> tuple[int, Lease]:
+    """Claim the export, map its allocation on ``device``; returns ``(pointer, lease)``.
 
     ``segment`` is the producer's (already checked alive). The lease must own
-    the memory built on the pointer; ``stream`` is where the release is ordered.
+    the memory built on the pointer; ``stream`` (of ``stream_device``, by
+    default ``device``) is where the release is ordered.
     """
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
@@ -318,7 +320,8 @@ def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocati
         except BaseException:
             _unclaim(claim_key)
             raise
-    return m.ptr, Lease(keep, key, claim_key, stream, device, m, memory_handle, allocation_size)
+    return m.ptr, Lease(keep, key, claim_key, stream, device if stream_device is None else stream_device, m,
+                        memory_handle, allocation_size)
 
 
 def _forget_after_fork() -> None:

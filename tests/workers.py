@@ -386,3 +386,36 @@ def reopen_after_eviction(items: list[bytes]) -> list[float]:
         return [read_first(d) for d in items]
     finally:
         cupy_ipc.set_idle_mapping_limit(old)
+
+
+def cross_device_open(data: bytes, device: int | None, copy: bool) -> dict[str, Any]:
+    """Open on ``device`` (this process's ordinal), compare with a copy read back, report how it was opened."""
+    import cupy
+
+    import cupy_ipc
+
+    h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+    arr = h.open(device=device, copy=copy)
+    info = cupy_ipc.open_info(arr)
+    with cupy.cuda.Device(arr.device.id):
+        values = arr.get()
+    h.close()
+    del arr
+    expected = np.arange(values.size, dtype=np.float32) + values[0]
+    return {"equal": bool((values == expected).all()), "device": info.device, "memory_device": info.memory_device,
+            "copied": info.copied}
+
+
+def write_through(data: bytes, device: int, value: float) -> None:
+    """Write element 0 through a mapping on ``device`` and finish the write."""
+    import cupy
+
+    import cupy_ipc
+
+    h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+    with cupy.cuda.Device(device):
+        arr = h.open(device=device)
+        arr[0] = value
+        cupy.cuda.get_current_stream().synchronize()
+    h.close()
+    del arr

@@ -1,0 +1,72 @@
+"""One rank of the all_gather checks, started by torchrun or mpirun (not collected by pytest).
+
+    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py torch gloo|nccl [--early-exit]
+    mpirun -n 2 python tests/dist_worker.py mpi [--early-exit]
+
+Each rank writes its rank number into its buffer, gathers, and checks every
+rank's buffer. With ``--early-exit`` rank 1 leaves right after the gather,
+without closing; rank 0 still reads rank 1's buffer, closes, and checks that
+its own export is released.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def main() -> None:
+    import cupy
+
+    import cupy_ipc
+
+    engine, early = sys.argv[1], "--early-exit" in sys.argv
+    ngpu = cupy.cuda.runtime.getDeviceCount()
+    if engine == "torch":
+        import torch
+        import torch.distributed as dist
+
+        device = int(os.environ["LOCAL_RANK"]) % ngpu
+        cupy.cuda.Device(device).use()
+        torch.cuda.set_device(device)
+        dist.init_process_group(sys.argv[2])
+        group, rank, barrier = dist.group.WORLD, dist.get_rank(), dist.barrier
+    else:
+        from mpi4py import MPI
+
+        group = MPI.COMM_WORLD
+        rank, barrier = group.Get_rank(), group.Barrier
+        device = group.Split_type(MPI.COMM_TYPE_SHARED).Get_rank() % ngpu
+        cupy.cuda.Device(device).use()
+
+    a = cupy.full(1 << 20, rank, dtype=cupy.int32)
+    gathered = cupy_ipc.all_gather(a, group)
+    seen = []
+    for r, b in enumerate(gathered):
+        values = b.get()
+        assert (values == r).all(), f"rank {rank} read {values[:4]} from rank {r}"
+        info = cupy_ipc.open_info(b)
+        seen.append("self" if r == rank else f"GPU {info.memory_device} mapped on GPU {info.device}")
+    print(f"RANK {rank} OK on GPU {device}: {seen} local ranks {cupy_ipc.node_local_ranks(group)}", flush=True)
+    if early:
+        if rank == 1:
+            os._exit(0)  # gone without closing: its claims on rank 0's memory die with it
+        time.sleep(2)
+        assert (gathered[1].get() == 1).all(), "rank 1's buffer must stay readable while mapped"
+        gathered.close()
+        deadline = time.monotonic() + 10
+        while cupy_ipc.pinned() and time.monotonic() < deadline:
+            cupy_ipc.collect()
+            time.sleep(0.05)
+        assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+        print(f"RANK {rank} EARLY-EXIT OK", flush=True)
+        os._exit(0)  # the group lost a member: no barrier or teardown
+    gathered.close()
+    barrier()
+    if engine == "torch":
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

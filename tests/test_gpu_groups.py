@@ -1,0 +1,81 @@
+"""Several GPUs: cross-device opens (with differing CUDA_VISIBLE_DEVICES) and all_gather under torchrun and MPI."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multi_gpu(2)
+
+WORKER = str(pathlib.Path(__file__).parent / "dist_worker.py")
+
+
+@pytest.fixture
+def reversed_consumer(remote, monkeypatch):
+    """A helper process that sees the two GPUs in the other order."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    return remote()
+
+
+def test_cross_device_open_both_ways_and_staged(reversed_consumer):
+    import cupy
+
+    import cupy_ipc
+
+    arrays, data = {}, {}
+    for physical in (0, 1):
+        with cupy.cuda.Device(physical):
+            arrays[physical] = cupy.arange(1 << 20, dtype=cupy.float32) + 1000 * physical
+            data[physical] = cupy_ipc.get_ipc_handle(arrays[physical], consumers=8).to_bytes()
+    for physical, theirs in ((0, 1), (1, 0)):  # the consumer's ordinal of each physical GPU
+        expected = cupy.asnumpy(arrays[physical])
+        for device, copy in ((None, False), (1 - theirs, False), (1 - theirs, True)):
+            r = reversed_consumer.call("cross_device_open", data[physical], device, copy)
+            assert r["equal"], (physical, device, copy)
+            assert r["memory_device"] == theirs  # found by UUID despite the reversed order
+            assert r["device"] == (theirs if device is None else device)
+            assert r["copied"] == (copy and device is not None)
+        # A write through the peer mapping lands in the producer's memory.
+        reversed_consumer.call("write_through", data[physical], 1 - theirs, -5.0)
+        assert float(arrays[physical][0]) == -5.0
+        arrays[physical][0] = expected[0]
+
+
+def _run(cmd, env=None):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, **(env or {})})
+    return r, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("early_exit", [False, True], ids=["all-close", "rank-1-exits-early"])
+def test_all_gather_under_torchrun(backend, early_exit):
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("PyTorch is not installed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, "torch",
+           backend] + (["--early-exit"] if early_exit else [])
+    r, out = _run(cmd)
+    assert r.returncode == 0, out[-4000:]
+    assert "RANK 0 OK" in out and "RANK 1 OK" in out and "mapped on GPU" in out, out[-4000:]
+    if early_exit:
+        assert "RANK 0 EARLY-EXIT OK" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("early_exit", [False, True], ids=["all-close", "rank-1-exits-early"])
+def test_all_gather_under_mpi(early_exit):
+    launcher = shutil.which("mpirun") or shutil.which("mpiexec")
+    if launcher is None or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip(f"no MPI launcher (mpirun/mpiexec) on PATH, or no mpi4py: launcher={launcher}")
+    cmd = [launcher, "-n", "2"]
+    env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    r, out = _run(cmd + [sys.executable, WORKER, "mpi"] + (["--early-exit"] if early_exit else []), env)
+    assert "RANK 0 OK" in out and "RANK 1 OK" in out, out[-4000:]
+    if early_exit:
+        assert "RANK 0 EARLY-EXIT OK" in out, out[-4000:]
+    else:
+        assert r.returncode == 0, out[-4000:]

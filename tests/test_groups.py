@@ -1,0 +1,52 @@
+"""all_gather and node_local_ranks without a GPU: who is local, and what a rank alone gets back.
+
+The communicator here has mpi4py's interface over a fixed list of hosts, so
+that the host logic runs without an MPI runtime; the GPU tests run the real
+engines under torchrun and mpirun.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_ipc
+from cupy_ipc._identity import this_process
+
+
+class HostsComm:
+    """mpi4py's Comm interface for rank ``rank`` of ranks living on ``hosts`` (this host: "here")."""
+
+    def __init__(self, rank: int, hosts: list[str]) -> None:
+        self.rank, self.hosts = rank, hosts
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return len(self.hosts)
+
+    def allgather(self, obj):
+        me = this_process()
+        if isinstance(obj, tuple) and obj == (me.boot_id, me.host):
+            return [(me.boot_id if h == "here" else h.encode().ljust(16, b"\0"), h) for h in self.hosts]
+        return [obj if r == self.rank else None for r in range(len(self.hosts))]
+
+
+def test_node_local_ranks_are_those_of_this_host():
+    assert cupy_ipc.node_local_ranks(HostsComm(1, ["a", "here", "b", "here"])) == [1, 3]
+    assert cupy_ipc.node_local_ranks(HostsComm(0, ["here"])) == [0]
+
+
+def test_a_rank_alone_on_its_host_gets_its_own_array_and_none_for_the_others():
+    a = np.arange(3)  # no peer on this host: nothing is exported or opened
+    with cupy_ipc.all_gather(a, HostsComm(1, ["a", "here", "b"])) as got:
+        assert len(got) == 3 and got[1] is a and got[0] is None and got[2] is None
+        assert repr(got) == "<Gathered rank=1 [-, self, -]>"
+    got.close()  # idempotent
+    assert got[1] is a
+
+
+def test_an_unknown_group_is_refused():
+    with pytest.raises(TypeError, match="mpi4py communicator or a torch.distributed"):
+        cupy_ipc.all_gather(np.zeros(1), object())
