@@ -89,7 +89,9 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
     hit = _by_array.get(key)
     if hit is not None and hit[0]() is arr:
         return hit[1], hit[2]
-    device = arr.data.device_id
+    owner = getattr(arr.data.mem, "_owner", None)
+    # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
+    device = owner.memory_device if isinstance(owner, _mapping.Lease) else arr.data.device_id
     lease = _received_lease(arr)
     if lease is not None:
         # Opened from another process: send on the original allocation's
@@ -475,7 +477,7 @@ class IpcArrayHandle:
             device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
             own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
             producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
-            stream_device=stream_device,
+            stream_device=stream_device, memory_device=home,
         )
         if f.flags & FLAG_EVENT and not from_us:
             ev = open_cached(f.event_handle, home, f.producer)

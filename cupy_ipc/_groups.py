@@ -10,7 +10,8 @@ failure raises on every rank rather than leaving some waiting.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import IpcError

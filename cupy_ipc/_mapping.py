@@ -235,10 +235,11 @@ class Lease:
     """
 
     __slots__ = ("keep", "mapping_key", "claim_key", "stream", "device", "ptr", "memory_handle",
-                 "allocation_size", "imported")
+                 "allocation_size", "imported", "memory_device")
 
     def __init__(self, keep: Any, mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None,
-                 stream: Any, device: int, mapping: _Mapping, memory_handle: bytes, allocation_size: int) -> None:
+                 stream: Any, device: int, mapping: _Mapping, memory_handle: bytes, allocation_size: int,
+                 memory_device: int) -> None:
         self.keep = keep  # the producer's own array, when opened in its own process
         self.mapping_key = mapping_key
         self.claim_key = claim_key
@@ -248,6 +249,7 @@ class Lease:
         self.imported = mapping.imported
         self.memory_handle = memory_handle
         self.allocation_size = allocation_size
+        self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
 
     def __del__(self) -> None:
         if not _exiting:
@@ -306,12 +308,13 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
 def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any,
-            stream_device: int | None = None) -> tuple[int, Lease]:
+            stream_device: int | None = None, memory_device: int | None = None) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device``; returns ``(pointer, lease)``.
 
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``, by
-    default ``device``) is where the release is ordered.
+    default ``device``) is where the release is ordered; ``memory_device`` is
+    the GPU holding the memory (default ``device``).
     """
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
@@ -321,7 +324,7 @@ def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocati
             _unclaim(claim_key)
             raise
     return m.ptr, Lease(keep, key, claim_key, stream, device if stream_device is None else stream_device, m,
-                        memory_handle, allocation_size)
+                        memory_handle, allocation_size, device if memory_device is None else memory_device)
 
 
 def _forget_after_fork() -> None:
