@@ -80,15 +80,40 @@ def _received_lease(arr: Any) -> "_mapping.Lease | None":
 # The validated handle of each live cupy.ndarray exported, without its export
 # part: an array's pointer, layout and allocation cannot change while it lives,
 # so a re-sent array costs no driver query, no validation and no packing.
-_by_array: dict[int, tuple[Any, ArrayFields, bytes]] = {}
+class _ById:
+    """Values kept for live objects that cannot be hashed (arrays), dropped when the object is collected."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, obj: Any) -> Any:
+        hit = self._d.get(id(obj))
+        return hit[1] if hit is not None and hit[0]() is obj else None
+
+    def set(self, obj: Any, value: Any) -> None:
+        key, d = id(obj), self._d  # bound here: the callback may run while the module is torn down
+
+        def forget(ref: Any) -> None:
+            hit = d.get(key)
+            if hit is not None and hit[0] is ref:
+                del d[key]
+
+        d[key] = (weakref.ref(obj, forget), value)
+
+    def clear(self) -> None:
+        self._d.clear()
+
+
+_by_array = _ById()  # array -> (fields, static wire bytes)
 
 
 def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, bytes]:
     """The handle fields of a non-empty array with no export part, and their wire form."""
-    key = id(arr)
-    hit = _by_array.get(key)
-    if hit is not None and hit[0]() is arr:
-        return hit[1], hit[2]
+    hit = _by_array.get(arr)
+    if hit is not None:
+        return hit
     owner = getattr(arr.data.mem, "_owner", None)
     # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
     device = owner.memory_device if isinstance(owner, _mapping.Lease) else arr.data.device_id
@@ -116,14 +141,7 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
     validate_layout(fields)  # every other field comes from the driver and this process
     static = pack_array(fields)
     if cacheable:
-        cache = _by_array  # bound here: the callback may run while the module is torn down
-
-        def forget(ref: Any) -> None:
-            hit = cache.get(key)
-            if hit is not None and hit[0] is ref:
-                del cache[key]
-
-        _by_array[key] = (weakref.ref(arr, forget), fields, static)
+        _by_array.set(arr, (fields, static))
     return fields, static
 
 
@@ -243,25 +261,28 @@ class OpenInfo(NamedTuple):
     copied: bool
 
 
-_open_info: "weakref.WeakKeyDictionary[Any, OpenInfo]" = weakref.WeakKeyDictionary()
+_opened_unmapped = _ById()  # copies and size-0 arrays that open() made: their memory says nothing
 
 
 def open_info(array: Any) -> OpenInfo | None:
-    """How an array that :meth:`IpcArrayHandle.open` returned reaches the memory; ``None`` for others.
+    """How an array that :meth:`IpcArrayHandle.open` returned (or a view of it) reaches the memory.
+
+    ``None`` for arrays that did not come from ``open()``.
 
     Example:
         >>> import numpy
         >>> open_info(numpy.zeros(3)) is None
         True
     """
-    try:
-        return _open_info.get(array)
-    except TypeError:  # not weak-referenceable: not ours
-        return None
+    owner = getattr(getattr(getattr(array, "data", None), "mem", None), "_owner", None)
+    if isinstance(owner, _mapping.Lease):
+        return OpenInfo(array.data.device_id, owner.memory_device, copied=False)
+    return _opened_unmapped.get(array)
 
 
 def _forget_after_fork() -> None:
     _by_array.clear()  # the templates carry the parent's identity
+    _opened_unmapped.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -421,7 +442,7 @@ class IpcArrayHandle:
         if f.kind == Kind.EMPTY:
             with cupy.cuda.Device(target):
                 arr = cupy.empty(f.shape, f.dtype)
-            _open_info[arr] = OpenInfo(target, home, copied=False)
+            _opened_unmapped.set(arr, OpenInfo(target, home, copied=False))
             return arr
         peer = _cuda.can_access_peer(target, home)
         staged = target != home and (copy or not peer)
@@ -434,9 +455,7 @@ class IpcArrayHandle:
         with _cuda.using_device(target):
             stream_obj = cupy.cuda.get_current_stream() if stream is None else _cuda.as_cupy_stream(stream)
         if not staged:
-            arr = self._mapped(target, home, stream_obj, target)
-            _open_info[arr] = OpenInfo(target, home, copied=False)
-            return arr
+            return self._mapped(target, home, stream_obj, target)
         # Map on the memory's GPU, copy to the target on the consumer's
         # stream, and let the mapping go once that copy is done.
         src = self._mapped(home, home, stream_obj, target)
@@ -449,7 +468,7 @@ class IpcArrayHandle:
                        src.data.ptr + lo, home, hi - lo, stream_obj.ptr)
             arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(dst, -lo), f.strides)
         del src
-        _open_info[arr] = OpenInfo(target, home, copied=True)
+        _opened_unmapped.set(arr, OpenInfo(target, home, copied=True))
         return arr
 
     def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int) -> Any:
@@ -472,21 +491,22 @@ class IpcArrayHandle:
         # Raises ProducerExitedError if the producer is gone; in our own
         # process it is a second open file, so that our locks are separate.
         seg = _segment.attach(f.producer.token, f.producer.pid)
-        ptr, lease = _mapping.acquire(
-            key=(map_device, f.kind, f.memory_handle) if own_ptr is None else (map_device, "own", buffer_id),
-            device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
-            own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
-            producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
-            stream_device=stream_device, memory_device=home,
-        )
-        if f.flags & FLAG_EVENT and not from_us:
-            ev = open_cached(f.event_handle, home, f.producer)
-            if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                ev.wait(stream_obj)  # a stream may wait on another GPU's event
-        elif f.flags & FLAG_EVENT:
-            _keepalive.wait_own_event(f.export_id, stream_obj)
-        mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
-        return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+        with _cuda.using_device(map_device):
+            ptr, lease = _mapping.acquire(
+                key=(map_device, f.kind, f.memory_handle) if own_ptr is None else (map_device, "own", buffer_id),
+                device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
+                own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
+                producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
+                stream_device=stream_device, memory_device=home,
+            )
+            if f.flags & FLAG_EVENT and not from_us:
+                ev = open_cached(f.event_handle, home, f.producer)
+                if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
+                    ev.wait(stream_obj)  # a stream may wait on another GPU's event
+            elif f.flags & FLAG_EVENT:
+                _keepalive.wait_own_event(f.export_id, stream_obj)
+            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
+            return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
 
     def close(self) -> None:
         """Drop the arrays this handle opened. Idempotent.
