@@ -466,7 +466,7 @@ class IpcArrayHandle:
             dst = cupy.cuda.alloc(hi - lo)
             _cuda.call("copying the array between GPUs", runtime.memcpyPeerAsync, dst.ptr, target,
                        src.data.ptr + lo, home, hi - lo, stream_obj.ptr)
-            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(dst, -lo), f.strides)
+            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(dst.mem, -lo), f.strides)
         del src
         _opened_unmapped.set(arr, OpenInfo(target, home, copied=True))
         return arr

@@ -1,7 +1,7 @@
 """One rank of the all_gather checks, started by torchrun or mpirun (not collected by pytest).
 
     torchrun --standalone --nproc-per-node 2 tests/dist_worker.py torch gloo|nccl [--early-exit]
-    mpirun -n 2 python tests/dist_worker.py mpi [--early-exit]
+    mpirun -n 2 python tests/dist_worker.py mpi
 
 Each rank writes its rank number into its buffer, gathers, and checks every
 rank's buffer. With ``--early-exit`` rank 1 leaves right after the gather,
