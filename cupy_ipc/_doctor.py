@@ -236,7 +236,7 @@ def _legacy_self_test(devices: list[int]) -> dict[str, Any]:
         child.close()  # so that a consumer that dies ends our waits
         for d in devices:
             with cupy.cuda.Device(d):
-                a = cupy.arange(_SELF_TEST_BYTES // 4, dtype=cupy.float32)
+                a = cupy.arange(_SELF_TEST_BYTES // 8, dtype=cupy.int64)  # integer sums: exact on both sides
                 expected = float(a.sum())
                 if _ask(conn, ("write", cupy_ipc.get_ipc_handle(a).to_bytes())) != expected:
                     raise RuntimeError(f"GPU {d}: the consumer read other values than were written")
