@@ -29,26 +29,32 @@ extern "C" __global__ void read(const float4* x, unsigned long long n4, float* p
 """
 
 
-def _read_gbps(ptr: int, nbytes: int, reps: int) -> float:
-    """Median read bandwidth (GB/s) of the kernel over ``nbytes`` at ``ptr``, on the current device."""
+def _gbps(nbytes: int, work: Any, reps: int) -> float:
+    """Median bandwidth (GB/s) of ``work()`` moving ``nbytes`` on the current stream, timed with CUDA events."""
     import cupy
-    import numpy as np
 
-    kernel = cupy.RawKernel(READ_SOURCE, "read")
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    partial = cupy.zeros(sms * 8, cupy.float32)
-    args = (np.uint64(ptr), np.uint64(nbytes // 16), partial)
-    kernel((sms * 8,), (256,), args)  # load the module and warm the caches' way in
+    work()  # load modules, set up peer mappings
     cupy.cuda.get_current_stream().synchronize()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
     for _ in range(reps):
         start.record()
-        kernel((sms * 8,), (256,), args)
+        work()
         stop.record()
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
     return nbytes / statistics.median(times) / 1e9
+
+
+def _read_gbps(ptr: int, nbytes: int, reps: int) -> float:
+    """Median read bandwidth (GB/s) of the read kernel over ``nbytes`` at ``ptr``, on the current device."""
+    import cupy
+    import numpy as np
+
+    kernel = cupy.RawKernel(READ_SOURCE, "read")
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    args = (np.uint64(ptr), np.uint64(nbytes // 16), cupy.zeros(sms * 8, cupy.float32))
+    return _gbps(nbytes, lambda: kernel((sms * 8,), (256,), args), reps)
 
 
 def _peer_read(h: Any, a: Any, dev: int, other: int, reps: int) -> dict[str, Any]:
@@ -58,19 +64,15 @@ def _peer_read(h: Any, a: Any, dev: int, other: int, reps: int) -> dict[str, Any
     with cupy.cuda.Device(other):
         peer = h.open(device=other)  # mapped on `other` through peer access
         own = cupy.empty(a.shape, a.dtype)
+        stream = cupy.cuda.get_current_stream()
+
+        def copy() -> None:
+            cupy.cuda.runtime.memcpyPeerAsync(own.data.ptr, other, a.data.ptr, dev, a.nbytes, stream.ptr)
+
         out = {"peer_gbps": _read_gbps(peer.data.ptr, peer.nbytes, reps),
                "peer_local_gbps": _read_gbps(own.data.ptr, own.nbytes, reps),
+               "memcpy_peer_gbps": _gbps(a.nbytes, copy, reps),
                "peer_devices": f"GPU {other} reads GPU {dev}"}
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        stream = cupy.cuda.get_current_stream()
-        times = []
-        for _ in range(reps):
-            start.record()
-            cupy.cuda.runtime.memcpyPeerAsync(own.data.ptr, other, a.data.ptr, dev, a.nbytes, stream.ptr)
-            stop.record()
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-        out["memcpy_peer_gbps"] = a.nbytes / statistics.median(times) / 1e9
         del peer
     return out
 

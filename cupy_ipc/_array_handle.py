@@ -64,9 +64,11 @@ def _check_still_allocated(base: int, buffer_id: int) -> None:
         raise IpcError("this process exported that memory and has since freed it")
 
 
-def _received_lease(arr: Any) -> "_mapping.Lease | None":
-    """The lease of the mapping behind an array this process opened from another one, if it is one."""
-    owner = getattr(arr.data.mem, "_owner", None)
+def _received_lease(owner: Any) -> "_mapping.Lease | None":
+    """The lease of the mapping behind an array this process opened from another one, if it is one.
+
+    ``owner`` is the array's memory's owner.
+    """
     while isinstance(owner, _mapping.Lease):
         if owner.imported:
             return owner
@@ -117,7 +119,7 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
     owner = getattr(arr.data.mem, "_owner", None)
     # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
     device = owner.memory_device if isinstance(owner, _mapping.Lease) else arr.data.device_id
-    lease = _received_lease(arr)
+    lease = _received_lease(owner)
     if lease is not None:
         # Opened from another process: send on the original allocation's
         # handle; this process pins the array, and with it its own claim.

@@ -49,6 +49,7 @@ _HINTS = {
     "cudaErrorInvalidValue": "the handle does not describe memory the driver knows",
     "cudaErrorInvalidDevice": "the GPU named by the handle is not usable here",
     "cudaErrorIllegalAddress": "a kernel touched memory it may not; the CUDA context is lost",
+    "cudaErrorDevicesUnavailable": "the GPU is in a compute mode that admits one process only",
 }
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from . import _cuda
 from ._cuda import unavailable_reason
 
 __all__ = ["build_report", "render", "run_doctor"]
@@ -27,29 +28,17 @@ _COMPUTE_MODES = {0: "default", 1: "exclusive-thread", 2: "prohibited", 3: "excl
 _SELF_TEST_BYTES = 1 << 20
 _SELF_TEST_TRIPS = 20
 
-# Causes and remedies for the CUDA errors a self-test meets, by CUDA error name.
+# Remedies for the CUDA errors a self-test meets, by CUDA error name; the
+# causes are the hints the library's errors already carry (``_cuda._HINTS``).
 _REMEDIES = {
     "cudaErrorMapBufferObjectFailed": (
-        "the driver could not map the other process's memory",
         "in a container, share the host's IPC and PID namespaces (docker run --ipc=host --pid=host); "
-        "both processes must see the same GPU",
+        "both processes must see the same GPU"
     ),
-    "cudaErrorInvalidResourceHandle": (
-        "the handle was not valid in the consumer",
-        "run producer and consumer in the same IPC namespace (docker run --ipc=host)",
-    ),
-    "cudaErrorDeviceUninitialized": (
-        "the consumer could not import the handle into its context",
-        "run producer and consumer as separate processes in the same IPC namespace",
-    ),
-    "cudaErrorNotSupported": (
-        "this platform does not support CUDA IPC (WSL, or a virtual GPU or MIG instance without it)",
-        "run on native Linux with a full GPU, or share through host memory",
-    ),
-    "cudaErrorDevicesUnavailable": (
-        "the GPU is in a compute mode that admits one process only",
-        "nvidia-smi -i <gpu> -c DEFAULT (as root)",
-    ),
+    "cudaErrorInvalidResourceHandle": "run producer and consumer in the same IPC namespace (docker run --ipc=host)",
+    "cudaErrorDeviceUninitialized": "run producer and consumer as separate processes in the same IPC namespace",
+    "cudaErrorNotSupported": "run on native Linux with a full GPU, or share through host memory",
+    "cudaErrorDevicesUnavailable": "nvidia-smi -i <gpu> -c DEFAULT (as root)",
 }
 
 
@@ -160,10 +149,7 @@ def _gpus() -> list[dict[str, Any]]:
 
 
 def _peer_matrix(n: int) -> list[list[bool | None]]:
-    import cupy
-
-    return [[None if i == j else bool(cupy.cuda.runtime.deviceCanAccessPeer(i, j)) for j in range(n)]
-            for i in range(n)]
+    return [[None if i == j else _cuda.can_access_peer(i, j) for j in range(n)] for i in range(n)]
 
 
 # --- the live self-test ---------------------------------------------------------------
@@ -258,9 +244,10 @@ def _legacy_self_test(devices: list[int]) -> dict[str, Any]:
         result["detail"] = "shared an array and an event with a spawned process, both directions, values checked"
     except Exception as e:  # the report explains it
         result["detail"] = f"{type(e).__name__}: {e}"
-        cause, remedy = _REMEDIES.get(getattr(e, "cuda_error", None) or "", (
-            str(e), "run `python -m cupy_ipc demo` to see the failing step; check the items above"))
-        result["cause"], result["remedy"] = cause, remedy
+        name = getattr(e, "cuda_error", None) or ""
+        result["cause"] = _cuda._HINTS.get(name, str(e))
+        result["remedy"] = _REMEDIES.get(
+            name, "run `python -m cupy_ipc demo` to see the failing step; check the items above")
     finally:
         if proc.is_alive():
             try:

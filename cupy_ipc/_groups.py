@@ -38,9 +38,10 @@ def _engine(group: Any) -> tuple[int, int, Callable[[Any], list[Any]]]:
     raise TypeError(f"group must be an mpi4py communicator or a torch.distributed process group, not {group!r}")
 
 
-def _hosts(gather: Callable[[Any], list[Any]]) -> list[bytes]:
+def _local_ranks(gather: Callable[[Any], list[Any]]) -> list[int]:
+    """The ranks on this host (same kernel boot), gathered with one collective."""
     me = this_process()
-    return [boot_id for boot_id, _ in gather((me.boot_id, me.host))]
+    return [r for r, (boot_id, _) in enumerate(gather((me.boot_id, me.host))) if boot_id == me.boot_id]
 
 
 def node_local_ranks(group: Any) -> list[int]:
@@ -51,9 +52,7 @@ def node_local_ranks(group: Any) -> list[int]:
         >>> cupy_ipc.node_local_ranks(MPI.COMM_WORLD)    # doctest: +SKIP
         [0, 1]
     """
-    _, _, gather = _engine(group)
-    mine = this_process().boot_id
-    return [r for r, boot_id in enumerate(_hosts(gather)) if boot_id == mine]
+    return _local_ranks(_engine(group)[2])
 
 
 class Gathered(Sequence[Any]):
@@ -121,8 +120,7 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
         ...     total = sum(b.sum() for b in bufs)
     """
     rank, size, gather = _engine(group)
-    hosts = _hosts(gather)
-    local = [r for r in range(size) if hosts[r] == hosts[rank]]
+    local = _local_ranks(gather)
     peers = len(local) - 1
     data = get_ipc_handle(array, consumers=peers).to_bytes() if peers else None
     everything = gather(data)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
-import os
 import pickle
-import time
 import warnings
 
 import numpy as np
@@ -222,13 +220,9 @@ def test_ordinary_pickle_still_copies():
 def test_no_leak_after_a_thousand_messages(ctx):
     import cupy
 
-    import cupy_ipc
-    from cupy_ipc import _mapping
-
     inbox, outbox = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=mp_workers.echo_plus_one, args=(inbox, outbox))
     p.start()
-    pool = cupy.get_default_memory_pool()
 
     def exchange(n):
         for i in range(n):
@@ -238,25 +232,14 @@ def test_no_leak_after_a_thousand_messages(ctx):
             assert float(r[0]) == i + 1
             del a, r
 
-    def settle():
-        gc.collect()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            cupy_ipc.collect()
-            if not cupy_ipc.pinned() and not _mapping.counts()["mapped"]:
-                break
-            time.sleep(0.01)
-        return {"pinned": len(cupy_ipc.pinned()), **_mapping.counts(), "used_bytes": pool.used_bytes(),
-                "fds": len(os.listdir("/proc/self/fd"))}
-
     exchange(20)
     inbox.put("state")
     theirs_before = outbox.get(timeout=60)
-    ours_before = settle()
+    ours_before = mp_workers.state()  # the same settled snapshot as the worker's
     exchange(1000)
     inbox.put("stop")
     theirs_after = outbox.get(timeout=60)
-    ours_after = settle()
+    ours_after = mp_workers.state()
     p.join(30)
     assert ours_after == ours_before
     assert ours_after["pinned"] == 0 and ours_after["mapped"] == 0 and ours_after["claims"] == 0
