@@ -58,6 +58,34 @@ def _memory_handle(base: int, buffer_id: int) -> bytes:
     return raw
 
 
+_warned_across: set[tuple[int, int]] = set()
+
+
+def _default_device(home: int) -> int:
+    """Where ``open()`` maps by default: the current GPU, if it can reach the memory's GPU ``home``.
+
+    An IPC mapping is reachable only from the GPU it was made on (measured:
+    a kernel of another GPU reading it faults, peer access or not), while CuPy
+    runs an array's kernels on the current GPU. So the default follows the
+    current GPU; without peer access it stays ``home``, where CuPy refuses
+    cross-GPU use with a clear error instead.
+    """
+    from cupy.cuda import runtime
+
+    current = _cuda.call("reading the current device", runtime.getDevice)
+    if current == home or not _cuda.can_access_peer(current, home):
+        return home
+    if (current, home) not in _warned_across:
+        _warned_across.add((current, home))
+        import cupy
+
+        warnings.warn(
+            f"an array of GPU {home} was opened on the current GPU {current}, which reads it through peer "
+            f"access (slower than its own GPU): make GPU {home} current, or open(device={home}), to work on it "
+            "there", cupy._util.PerformanceWarning, stacklevel=4)
+    return current
+
+
 def _check_still_allocated(base: int, buffer_id: int) -> None:
     info = _cuda.pointer_info(base)
     if info.buffer_id != buffer_id or info.base != base:
@@ -413,9 +441,11 @@ class IpcArrayHandle:
         Args:
             stream: Where the consumer orders its work on the array.
             device: The GPU (an ordinal of this process) to open the array
-                on. By default the GPU holding the memory, found by UUID.
-                Another GPU maps the memory there through peer access
-                (NVLink or PCIe), and the array belongs to that GPU.
+                on, and that CuPy then uses it from: a mapping is reachable
+                from its own GPU only. By default the current GPU, if it is
+                the GPU holding the memory (found by UUID) or has peer access
+                to it (NVLink or PCIe; a ``PerformanceWarning`` says so once),
+                else the GPU holding the memory.
             copy: When ``device`` is not the memory's GPU, copy the array
                 there instead of mapping it across GPUs (needed where the
                 two have no peer access); :func:`open_info` says which.
@@ -440,7 +470,7 @@ class IpcArrayHandle:
         f = self._f
         check_same_host(f.producer)
         home = _cuda.ordinal_of_uuid(f.device.uuid)
-        target = home if device is None else _cuda.checked_ordinal(device)
+        target = _default_device(home) if device is None else _cuda.checked_ordinal(device)
         if f.kind == Kind.EMPTY:
             with cupy.cuda.Device(target):
                 arr = cupy.empty(f.shape, f.dtype)
@@ -504,7 +534,7 @@ class IpcArrayHandle:
             if f.flags & FLAG_EVENT and not from_us:
                 ev = open_cached(f.event_handle, home, f.producer)
                 if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                    ev.wait(stream_obj)  # a stream may wait on another GPU's event
+                    ev.wait_from(stream_obj.ptr, stream_device)
             elif f.flags & FLAG_EVENT:
                 _keepalive.wait_own_event(f.export_id, stream_obj)
             mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)

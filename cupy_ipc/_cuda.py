@@ -313,6 +313,20 @@ def stream_ptr(stream: Any) -> int:
     raise TypeError(f"not a CUDA stream: {stream!r}")
 
 
+def stream_device(ptr: int) -> int:
+    """Ordinal of the GPU a raw stream belongs to; the current GPU for the default streams."""
+    from cupy.cuda import runtime
+
+    if ptr in (0, 1, 2):  # the legacy and per-thread default streams act on the current GPU
+        return runtime.getDevice()
+    from cuda.bindings import driver
+
+    err, dev = driver.cuStreamGetDevice(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise IpcError(f"could not tell which GPU stream {ptr:#x} belongs to: {err.name}")
+    return int(dev)
+
+
 class _StreamProtocol:
     __slots__ = ("_ptr",)
 

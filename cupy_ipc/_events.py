@@ -109,10 +109,25 @@ class IpcEvent:
         _cuda.call("recording an event", runtime.eventRecord, self.ptr, _cuda.stream_ptr(stream))
 
     def wait(self, stream: Any = None) -> None:
-        """Make ``stream`` (default: current) wait for the event on the GPU; the host does not block."""
+        """Make ``stream`` (default: current) wait for the event on the GPU; the host does not block.
+
+        An event opened from another process can be waited on by streams of
+        its own GPU only (measured: a stream of another GPU waiting on it ends
+        the process). For such a stream this waits on the host instead.
+        """
+        ptr = _cuda.stream_ptr(stream)
+        self.wait_from(ptr, _cuda.stream_device(ptr))
+
+    def wait_from(self, stream_ptr: int, stream_device: int) -> None:
+        """:meth:`wait` for a raw stream of a known GPU (``0``: that GPU's default stream)."""
         from cupy.cuda import runtime
 
-        _cuda.call("waiting on an event", runtime.streamWaitEvent, _cuda.stream_ptr(stream), self.ptr, 0)
+        ptr = self.ptr
+        if self._opened and stream_device != self._device:
+            _cuda.call("synchronizing an event", runtime.eventSynchronize, ptr)
+            return
+        with _cuda.using_device(stream_device):
+            _cuda.call("waiting on an event", runtime.streamWaitEvent, stream_ptr, ptr, 0)
 
     def synchronize(self) -> None:
         """Block the host until the work captured by the last record has finished."""

@@ -3,9 +3,10 @@
 :func:`all_gather` works over an ``mpi4py`` communicator or a
 ``torch.distributed`` process group (gloo or nccl), and moves the handles with
 that engine's own object collective (``comm.allgather``,
-``torch.distributed.all_gather_object``). It takes three collectives: who is
-on which host, the handles, and whether every rank could open them, so that a
-failure raises on every rank rather than leaving some waiting.
+``torch.distributed.all_gather_object``). It takes two collectives: the
+handles, and whether every rank could open them, so that a failure raises on
+every rank rather than leaving some waiting; the first call on a group takes
+one more, to learn which ranks share the host.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ class Gathered(Sequence[Any]):
         return f"<Gathered rank={self.rank} [{', '.join(kinds)}]>"
 
 
+# id(group) -> (group, its ranks on this host); the group is held so that its id stays its own.
+_group_hosts: dict[int, tuple[Any, list[int]]] = {}
+
+
 def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool = False) -> Gathered:
     """Every rank passes its array; every rank gets all of them, mapped, indexed by rank. Collective.
 
@@ -120,7 +125,11 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
         ...     total = sum(b.sum() for b in bufs)
     """
     rank, size, gather = _engine(group)
-    local = _local_ranks(gather)
+    known = _group_hosts.get(id(group))
+    if known is None or known[0] is not group:
+        # Every rank calls all_gather on the group alike, so all learn it in the same call.
+        known = _group_hosts[id(group)] = (group, _local_ranks(gather))
+    local = known[1]
     peers = len(local) - 1
     data = get_ipc_handle(array, consumers=peers).to_bytes() if peers else None
     everything = gather(data)

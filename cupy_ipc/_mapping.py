@@ -215,13 +215,14 @@ def _drop_user(key: tuple[Any, ...]) -> None:
 
 
 # --- leases -------------------------------------------------------------------
-_exiting = False
+# A list, not a flag: module teardown sets globals to None, and a lease
+# collected then must still see that the process is exiting.
+_exiting: list[bool] = []
 
 
 def _at_exit() -> None:
     # At exit the driver unmaps everything and the kernel drops the locks.
-    global _exiting
-    _exiting = True
+    _exiting.append(True)
 
 
 atexit.register(_at_exit)
@@ -251,8 +252,8 @@ class Lease:
         self.allocation_size = allocation_size
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
 
-    def __del__(self) -> None:
-        if not _exiting:
+    def __del__(self, _exiting: list[bool] = _exiting) -> None:
+        if not _exiting and _release is not None:
             _release(self.mapping_key, self.claim_key, self.stream, self.device)
 
 

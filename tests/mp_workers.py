@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -89,6 +90,16 @@ def echo_plus_one(inbox: Any, outbox: Any) -> None:
         del msg
 
 
+def _fd_targets() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(re.sub(r"\[\d+\]", "[]", os.readlink(f"/proc/self/fd/{fd}")))  # socket:[inode] -> socket:[]
+        except OSError:  # the directory's own descriptor, closed by now
+            pass
+    return out
+
+
 def state() -> dict[str, Any]:
     import time
 
@@ -106,7 +117,7 @@ def state() -> dict[str, Any]:
             break
         time.sleep(0.01)
     return {
-        **counts, "pinned": len(cupy_ipc.pinned()), "fds": len(os.listdir("/proc/self/fd")),
+        **counts, "pinned": len(cupy_ipc.pinned()), "fds": sorted(_fd_targets()),
         "used_bytes": cupy.get_default_memory_pool().used_bytes(),
     }
 
@@ -136,9 +147,11 @@ def check_event(conn: Any) -> None:
 
 
 def device_of(a: Any) -> tuple[int, bytes, float]:
+    """The GPU the array arrived on, the UUID of the GPU holding its memory, and its sum (read where it arrived)."""
     import cupy
 
+    import cupy_ipc
     from cupy_ipc._cuda import device_uuid
 
     with cupy.cuda.Device(a.device.id):
-        return a.device.id, device_uuid(a.device.id), float(a.sum())
+        return a.device.id, device_uuid(cupy_ipc.open_info(a).memory_device), float(a.sum())

@@ -39,14 +39,40 @@ def test_cross_device_open_both_ways_and_staged(reversed_consumer):
                 r = reversed_consumer.call("cross_device_open", data[physical], device, copy)
                 assert r["equal"], (physical, device, copy)
                 assert r["memory_device"] == theirs  # found by UUID despite the reversed order
-                assert r["device"] == (theirs if device is None else device)
+                assert r["device"] == (0 if device is None else device)  # by default, the current GPU
                 assert r["copied"] == (copy and device is not None)
+            # Opened where the memory is, used from the consumer's other, current GPU.
+            total = reversed_consumer.call("sum_from_current_device", data[physical], 1 - theirs)
+            with cupy.cuda.Device(physical):
+                assert total == pytest.approx(float(arrays[physical].sum()), rel=1e-6)
             # A write through the peer mapping lands in the producer's memory.
             reversed_consumer.call("write_through", data[physical], 1 - theirs, -5.0)
             assert float(arrays[physical][0]) == -5.0
     finally:
         for d in data.values():  # allowed 8 consumers, had fewer: end the pins for the tests after this one
             cupy_ipc.IpcArrayHandle.from_bytes(d).release()
+
+
+def test_waiting_on_another_gpus_event_orders_on_the_host(remote):
+    # A stream of another GPU cannot wait on an opened IPC event (the process dies): wait() blocks the host instead.
+    import cupy
+
+    import cupy_ipc
+    from workers import spin, warm_up
+
+    helper = remote()
+    warm_up()
+    with cupy.cuda.Device(1):
+        spin(0.01)
+        ev = cupy_ipc.IpcEvent()
+        ev.record()
+        cupy.cuda.Device().synchronize()
+        helper.call("wait_from_another_gpu", ev.get_ipc_handle().to_bytes(), 0)  # CUDA set up there
+        spin(3.0)
+        ev.record()
+        r = helper.call("wait_from_another_gpu", ev.get_ipc_handle().to_bytes(), 0)
+    assert r["event_device"] == 1 and r["done_after_wait"] and r["waited_s"] > 1.0, r
+    ev.close()
 
 
 def _run(cmd, env=None):

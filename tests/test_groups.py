@@ -50,3 +50,17 @@ def test_a_rank_alone_on_its_host_gets_its_own_array_and_none_for_the_others():
 def test_an_unknown_group_is_refused():
     with pytest.raises(TypeError, match="mpi4py communicator or a torch.distributed"):
         cupy_ipc.all_gather(np.zeros(1), object())
+
+
+def test_hosts_are_gathered_once_per_group():
+    class Counting(HostsComm):
+        calls = 0
+
+        def allgather(self, obj):
+            Counting.calls += 1
+            return super().allgather(obj)
+
+    comm = Counting(1, ["a", "here", "b"])
+    for expected in (3, 5, 7):  # hosts, handles and errors; then handles and errors
+        cupy_ipc.all_gather(np.arange(3), comm).close()
+        assert Counting.calls == expected

@@ -10,6 +10,7 @@ import gc
 import os
 import signal
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -404,6 +405,38 @@ def cross_device_open(data: bytes, device: int | None, copy: bool) -> dict[str, 
     expected = np.arange(values.size, dtype=np.float32) + values[0]
     return {"equal": bool((values == expected).all()), "device": info.device, "memory_device": info.memory_device,
             "copied": info.copied}
+
+
+def sum_from_current_device(data: bytes, current: int) -> float:
+    """Open with the defaults while ``current`` is the current GPU, and sum there (CuPy reads across GPUs)."""
+    import cupy
+
+    import cupy_ipc
+
+    h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+    with cupy.cuda.Device(current), warnings.catch_warnings():
+        warnings.simplefilter("ignore", cupy._util.PerformanceWarning)  # "peer access activated"
+        arr = h.open()
+        total = float(arr.sum())
+    h.close()
+    del arr
+    return total
+
+
+def wait_from_another_gpu(data: bytes, current: int) -> dict[str, Any]:
+    """Open an event of another GPU and wait on it from ``current``'s stream; say whether it had finished."""
+    import cupy
+
+    import cupy_ipc
+
+    ev = cupy_ipc.IpcEventHandle.from_bytes(data).open()
+    with cupy.cuda.Device(current):
+        t = time.perf_counter()
+        ev.wait()
+        waited = time.perf_counter() - t
+        done = ev.query()
+        cupy.cuda.get_current_stream().synchronize()
+    return {"event_device": ev.device, "done_after_wait": done, "waited_s": waited}
 
 
 def write_through(data: bytes, device: int, value: float) -> None:
