@@ -61,13 +61,20 @@ def _peer_read(h: Any, a: Any, dev: int, other: int, reps: int) -> dict[str, Any
     """GPU ``other`` reads ``a`` (on ``dev``) through a peer mapping; against memcpyPeer and a local read."""
     import cupy
 
+    from cupy_ipc import _cuda
+
+    with cupy.cuda.Device(dev):
+        src = a.copy()  # memcpyPeer's reference: this process's own allocations on both GPUs
+        cupy.cuda.get_current_stream().synchronize()
     with cupy.cuda.Device(other):
         peer = h.open(device=other)  # mapped on `other` through peer access
         own = cupy.empty(a.shape, a.dtype)
         stream = cupy.cuda.get_current_stream()
+        for x, y in ((other, dev), (dev, other)):  # else memcpyPeer may stage through the host
+            _cuda.enable_peer_access(x, y)
 
         def copy() -> None:
-            cupy.cuda.runtime.memcpyPeerAsync(own.data.ptr, other, a.data.ptr, dev, a.nbytes, stream.ptr)
+            cupy.cuda.runtime.memcpyPeerAsync(own.data.ptr, other, src.data.ptr, dev, a.nbytes, stream.ptr)
 
         out = {"peer_gbps": _read_gbps(peer.data.ptr, peer.nbytes, reps),
                "peer_local_gbps": _read_gbps(own.data.ptr, own.nbytes, reps),

@@ -7,7 +7,9 @@ Runs, on a GPU machine and in one go:
    ``torch.multiprocessing`` (when PyTorch is installed) and host staging;
 2. event ping-pong between two processes (``events.py``);
 3. read bandwidth of a consumer on a mapped array against a local copy, and
-   with two GPUs, peer reads (``bandwidth.py``).
+   with two GPUs, peer reads (``bandwidth.py``);
+4. with two or more GPUs and PyTorch, ``all_gather`` latency under torchrun
+   against the hand-written ``reduce_tensor`` pattern (``all_gather.py``).
 
 It prints progress, then writes ``suite.json``, ``suite.md`` and
 ``roundtrip.png`` (latency against size, log axes, one line per method) to
@@ -21,8 +23,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -46,7 +50,9 @@ def markdown(doc: dict[str, Any]) -> str:
         e = doc["events"]
         out += ["### Event ping-pong between two processes", "",
                 "| exchange | median µs | p10–p90 µs |", "|---|---:|---:|"]
-        out += [f"| {k} | {v['median_us']:.1f} | {v['p10_us']:.0f}–{v['p90_us']:.0f} |" for k, v in e.items()]
+        names = {"pipe": "pipe message alone", "raw": "events, raw CuPy runtime calls", "event": "cupy_ipc.IpcEvent"}
+        out += [f"| {names.get(k, k)} | {v['median_us']:.1f} | {v['p10_us']:.0f}–{v['p90_us']:.0f} |"
+                for k, v in e.items()]
         out.append("")
     if "bandwidth" in doc:
         b = doc["bandwidth"]
@@ -62,9 +68,32 @@ def markdown(doc: dict[str, Any]) -> str:
         elif "peer_error" in b:
             out.append(f"| peer read | failed: {b['peer_error']} |")
         out.append("")
+    if "all_gather" in doc:
+        g = doc["all_gather"]
+        m = g["median_us"]
+        out += [f"### all_gather of {g['ranks']} ranks ({g['bytes'] >> 10} KiB each, torchrun, gloo)", "",
+                "| way | median µs | ÷ cupy_ipc |", "|---|---:|---:|",
+                f"| cupy_ipc.all_gather | {m['cupy_ipc']:.0f} | 1.00 |",
+                f"| reduce_tensor + all_gather_object + rebuild | {m['torch']:.0f} "
+                f"| {m['torch'] / m['cupy_ipc']:.2f} |",
+                f"| the barrier both include | {m['barrier']:.0f} | |", ""]
     for step, error in doc.get("errors", {}).items():
         out.append(f"**{step} failed:** {error}")
     return "\n".join(out) + "\n"
+
+
+def all_gather_run(ranks: int, iters: int) -> dict[str, Any]:
+    """``all_gather.py`` under torchrun, one rank per GPU; its rank 0's figures."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "all_gather.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), script,
+           "--iters", str(iters)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("ALL_GATHER ")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"torchrun exited with {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
+    out = json.loads(lines[0].split(" ", 1)[1])
+    print(f"all_gather of {ranks} ranks: median {out['median_us']}", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--pingpong-iters", type=int, default=2000)
     parser.add_argument("--bandwidth-bytes", default="1GiB")
+    parser.add_argument("--all-gather-iters", type=int, default=100, help="on 2 or more GPUs, with PyTorch")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--watchdog", type=float, default=0,
                         help="after this many seconds, print every thread's stack and exit (0: never)")
@@ -103,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         ("events", lambda: events.run(args.pingpong_iters, max(1, args.pingpong_iters // 10))),
         ("bandwidth", lambda: bandwidth.run(roundtrip.parse_size(args.bandwidth_bytes))),
     ]
+    if env["gpus"] > 1 and importlib.util.find_spec("torch") is not None:
+        steps.append(("all_gather", lambda: all_gather_run(env["gpus"], args.all_gather_iters)))
     for i, (name, step) in enumerate(steps, 1):
         t = time.perf_counter()
         print(f"[{i}/{len(steps)}] {name} ...", flush=True)

@@ -163,34 +163,40 @@ def _self_test_consumer(conn: Any) -> None:
         msg = conn.recv()
         if msg is None:
             return
-        kind, data = msg
+        kind, device, data = msg
         try:
-            if kind == "array":
-                with IpcArrayHandle.from_bytes(data) as a:
-                    first = float(a[0])
-                del a
-                conn.send(("ok", first))
-            elif kind == "write":  # open, write -1 at 0, finish, answer with the sum before writing
-                with IpcArrayHandle.from_bytes(data) as a:
-                    total = float(a.sum())
-                    a[0] = -1
-                    cupy.cuda.get_current_stream().synchronize()
-                del a
-                conn.send(("ok", total))
-            else:  # "event"
-                ev = IpcEventHandle.from_bytes(data).open()
-                ev.wait()
-                ev.close()
-                conn.send(("ok", None))
+            with cupy.cuda.Device(device):  # the GPU the producer's test runs on
+                if kind == "array":
+                    with IpcArrayHandle.from_bytes(data) as a:
+                        first = float(a[0])
+                    del a
+                    conn.send(("ok", first))
+                elif kind == "write":  # open, write -1 at 0, finish, answer with the sum before writing
+                    with IpcArrayHandle.from_bytes(data) as a:
+                        total = float(a.sum())
+                        a[0] = -1
+                        cupy.cuda.get_current_stream().synchronize()
+                    del a
+                    conn.send(("ok", total))
+                else:  # "event"
+                    ev = IpcEventHandle.from_bytes(data).open()
+                    ev.wait()
+                    ev.close()
+                    conn.send(("ok", None))
         except Exception as e:  # noqa: BLE001 - reported by the doctor
             conn.send(("err", (type(e).__name__, str(e), getattr(e, "cuda_error", None))))
 
 
-def _ask(conn: Any, msg: Any) -> Any:
+def _ask(conn: Any, proc: Any, msg: Any) -> Any:
     conn.send(msg)
     if not conn.poll(60):
         raise TimeoutError("the self-test's consumer process did not answer within 60 s")
-    status, value = conn.recv()
+    try:
+        status, value = conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"the self-test's consumer process died (exit code {proc.exitcode}) "
+                           f"during the {msg[0]!r} step on GPU {msg[1]}") from None
     if status == "err":
         name, text, cuda_error = value
         raise _ConsumerError(f"{name}: {text}", cuda_error)
@@ -224,19 +230,19 @@ def _legacy_self_test(devices: list[int]) -> dict[str, Any]:
             with cupy.cuda.Device(d):
                 a = cupy.arange(_SELF_TEST_BYTES // 8, dtype=cupy.int64)  # integer sums: exact on both sides
                 expected = float(a.sum())
-                if _ask(conn, ("write", cupy_ipc.get_ipc_handle(a).to_bytes())) != expected:
+                if _ask(conn, proc, ("write", d, cupy_ipc.get_ipc_handle(a).to_bytes())) != expected:
                     raise RuntimeError(f"GPU {d}: the consumer read other values than were written")
                 if float(a[0]) != -1:
                     raise RuntimeError(f"GPU {d}: the consumer's write did not reach the producer's memory")
                 ev = cupy_ipc.IpcEvent()
                 ev.record()
-                _ask(conn, ("event", ev.get_ipc_handle().to_bytes()))
+                _ask(conn, proc, ("event", d, ev.get_ipc_handle().to_bytes()))
                 ev.close()
                 a[0] = 7
                 times = []
                 for _ in range(_SELF_TEST_TRIPS):
                     t = time.perf_counter()
-                    if _ask(conn, ("array", cupy_ipc.get_ipc_handle(a).to_bytes())) != 7:
+                    if _ask(conn, proc, ("array", d, cupy_ipc.get_ipc_handle(a).to_bytes())) != 7:
                         raise RuntimeError(f"GPU {d}: the consumer read a wrong value")
                     times.append(time.perf_counter() - t)
                 result["round_trip_us"][str(d)] = round(statistics.median(times) * 1e6, 1)

@@ -59,4 +59,7 @@ def double_buffer_consumer(conn):
             sums.append(buffers[i].sum())
         drained[i].record(stream)
         conn.send(k)  # drained[i] is recorded: the producer may queue its next write after it
-    conn.send([float(s) for s in sums])  # reading the sums is the only host sync, at the end
+    # The only host sync, at the end. Reading the sums copies on the default
+    # stream, which does not wait for a non-blocking stream: wait for ours.
+    stream.synchronize()
+    conn.send([float(s) for s in sums])

@@ -3,11 +3,13 @@
 # without touching the machine's CuPy; the gpu tests, the cpu tests, the demo,
 # doctor, the benchmark suite and the notebooks (which read the suite's
 # results); then a summary. Logs, executed notebooks and benchmark results go
-# to $OUT (default /tmp/cupy_ipc-check).
-# Knobs: PYTEST_ARGS, BENCH_SIZES, BENCH_METHODS, BENCH_ITERS, BENCH_ROUNDS.
+# to $CHECK_DIR (default /tmp/cupy_ipc-check), and, packed in one file, to
+# $OUT/check.tgz when $OUT is set.
+# Knobs: PYTEST_ARGS, BENCH_SIZES, BENCH_METHODS, BENCH_ITERS, BENCH_ROUNDS, PRE (a command run first).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/cupy_ipc-check}
+PACK=${OUT:-}
+OUT=${CHECK_DIR:-/tmp/cupy_ipc-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -24,13 +26,14 @@ if [ -d .whl ]; then
     SITE="/tmp/cupy_ipc-site${SITE:+:$SITE}"
 fi
 nvidia-smi -L
+[ -n "${PRE:-}" ] && timeout 120 bash -c "$PRE" 2>&1 | tee "$OUT/pre.log"
 $PY -c "import cupy, cuda.bindings; print('cupy', cupy.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 
 set -o pipefail
 # Every step has a time limit, so that one that hangs leaves time for the others.
 timeout 300 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu-tests.log"
 gpu_rc=$?
-timeout 120 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log"
+PYTHONPATH="$SITE" timeout 120 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log"
 cpu_rc=$?
 timeout 60 $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
 demo_rc=$?
@@ -51,5 +54,6 @@ echo "cpu tests: $(tail -n 1 "$OUT/cpu-tests.log")"
 echo "$(tail -n 1 "$OUT/notebooks.log")"
 echo "demo: exit $demo_rc; doctor: exit $doctor_rc; benchmark suite: exit $bench_rc"
 tail -n 12 "$OUT/doctor.log"
+[ -n "$PACK" ] && tar -czf "$PACK/check.tgz" -C "$OUT" .
 [ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $doctor_rc -eq 0 ] && [ $nb_rc -eq 0 ] \
     && [ $bench_rc -eq 0 ]
