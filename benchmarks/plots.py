@@ -7,7 +7,8 @@ from typing import Any
 from roundtrip import size_label
 
 LABELS = {"raw": "raw CuPy calls (no safety)", "cupy_ipc": "cupy_ipc (handle bytes)",
-          "mp": "cupy_ipc.multiprocessing", "torch": "torch.multiprocessing", "staging": "host staging",
+          "mp": "cupy_ipc.multiprocessing", "pool": "cupy_ipc.multiprocessing, shareable pool",
+          "torch": "torch.multiprocessing", "staging": "host staging",
           "bare": "bare queue message"}
 
 

@@ -15,18 +15,23 @@ Example:
 
     ``import cupy_ipc.multiprocessing as mp`` is the standard ``multiprocessing``
     module whose queues, pipes and pools send arrays and events this way.
+    Memory of a :class:`ShareableMemoryPool` is shared by file descriptor:
+    :func:`send_handle` / :func:`recv_handle` (or ``cupy_ipc.multiprocessing``)
+    pass the descriptor itself over a Unix socket.
 """
 
 from __future__ import annotations
 
 from . import _events, _keepalive, _mapping
 from ._array_handle import IpcArrayHandle, OpenInfo, get_ipc_handle, open_info
+from ._descriptors import allow_ptrace_from_any, recv_handle, send_handle
 from ._errors import ClosedError, HandleError, IpcError, ProducerExitedError
 from ._events import IpcEvent, IpcEventHandle
 from ._groups import Gathered, all_gather, node_local_ranks
 from ._identity import Producer
 from ._keepalive import PinInfo
 from ._mapping import set_idle_mapping_limit
+from ._pools import ShareableMemoryPool
 from ._wire import DeviceId
 
 __version__ = "0.1.0"
@@ -44,12 +49,16 @@ __all__ = [
     "PinInfo",
     "Producer",
     "ProducerExitedError",
+    "ShareableMemoryPool",
     "all_gather",
+    "allow_ptrace_from_any",
     "collect",
     "get_ipc_handle",
     "node_local_ranks",
     "open_info",
     "pinned",
+    "recv_handle",
+    "send_handle",
     "set_idle_mapping_limit",
 ]
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from . import _cuda, _fork, _keepalive, _mapping, _segment
+from . import _cuda, _fork, _keepalive, _mapping, _pools, _segment
 from ._errors import IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
@@ -148,7 +148,11 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
     # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
     device = owner.memory_device if isinstance(owner, _mapping.Lease) else arr.data.device_id
     lease = _received_lease(owner)
+    kind, fd, resource = Kind.LEGACY, -1, 0
     if lease is not None:
+        if lease.mapping_key[1] != Kind.LEGACY:
+            raise IpcError("an array this process received by file descriptor cannot be passed on yet: send the "
+                           "producer's own handle to the third process instead")
         # Opened from another process: send on the original allocation's
         # handle; this process pins the array, and with it its own claim.
         info = _cuda.pointer_info(lease.ptr)
@@ -157,16 +161,25 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
         info = _cuda.pointer_info(arr.data.ptr)
         if info.memory_type != "device":
             raise IpcError(_KIND_ADVICE[info.memory_type])
-        if not info.legacy_ipc:
-            raise IpcError(
-                "this memory comes from a stream-ordered pool (cudaMallocAsync) or CUDA's virtual memory "
-                "API, or was mapped from another process by other means, and CUDA IPC memory handles "
-                "cannot share it; allocate it with cudaMalloc (CuPy's default MemoryPool)"
-            )
-        memory_handle, base, size = _memory_handle(info.base, info.buffer_id), info.base, info.size
+        base, size = info.base, info.size
+        if info.legacy_ipc:
+            memory_handle = _memory_handle(info.base, info.buffer_id)
+        else:
+            pool = _pools.pool_of(base)
+            if not pool:
+                raise IpcError(
+                    "this memory comes from CUDA's virtual memory API (cuMemCreate, as PyTorch's expandable "
+                    "segments use), or was mapped from another process by other means, and cupy_ipc does not "
+                    "share it yet; allocate it with cudaMalloc (CuPy's default MemoryPool) or from "
+                    "cupy_ipc.ShareableMemoryPool"
+                )
+            memory_handle, fd, resource = _pools.export(base, pool)
+            kind = Kind.POOL
+            _exported[memory_handle] = (base, info.buffer_id)
     fields = ArrayFields(
-        Kind.LEGACY, 0, dtype, memory_handle, arr.data.ptr - base, size, base, info.buffer_id,
+        kind, 0, dtype, memory_handle, arr.data.ptr - base, size, base, info.buffer_id,
         DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides,
+        fd, resource,
     )
     validate_layout(fields)  # every other field comes from the driver and this process
     static = pack_array(fields)
@@ -313,6 +326,7 @@ def open_info(array: Any) -> OpenInfo | None:
 def _forget_after_fork() -> None:
     _by_array.clear()  # the templates carry the parent's identity
     _opened_unmapped.clear()
+    _pools.forget()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -342,7 +356,7 @@ class IpcArrayHandle:
         True
     """
 
-    __slots__ = ("_f", "_wire", "_opened", "__weakref__")
+    __slots__ = ("_f", "_wire", "_opened", "_fd", "__weakref__")
 
     def __init__(
         self,
@@ -356,16 +370,19 @@ class IpcArrayHandle:
         device: tuple[int, bytes],
         producer: tuple[int, bytes, bytes, str],
         kind: int = Kind.LEGACY,
+        fd: int = -1,
+        resource: int = 0,
     ) -> None:
         fields = ArrayFields(
             int(kind), 0, dtype_of(dtype), bytes(memory_handle), int(offset), int(allocation_size), 0, 0,
             DeviceId(*device), Producer(*producer), 0, 0, _NO_HANDLE, tuple(int(n) for n in shape),
-            tuple(int(s) for s in strides),
+            tuple(int(s) for s in strides), int(fd), int(resource),
         )
         validate_array(fields)
         object.__setattr__(self, "_f", fields)
         object.__setattr__(self, "_wire", None)
         object.__setattr__(self, "_opened", [])
+        object.__setattr__(self, "_fd", None)
 
     @classmethod
     def _make(cls, fields: ArrayFields, wire: bytes | None = None) -> "IpcArrayHandle":
@@ -373,14 +390,54 @@ class IpcArrayHandle:
         object.__setattr__(h, "_f", fields)
         object.__setattr__(h, "_wire", wire)  # only canonical bytes are accepted, so they are the wire form
         object.__setattr__(h, "_opened", [])
+        object.__setattr__(h, "_fd", None)
         return h
+
+    # --- the descriptor of memory shared by file descriptor ------------------
+    def _adopt_descriptors(self, fds: list[int]) -> None:
+        """Keep the descriptor that came with this handle (``SCM_RIGHTS``); close any other."""
+        keep = fds[0] if fds and self._f.kind in Kind.BY_DESCRIPTOR else None
+        for fd in fds:
+            if fd != keep:
+                os.close(fd)
+        if self._fd is not None:
+            os.close(self._fd)
+        object.__setattr__(self, "_fd", keep)
+
+    def _take_fd(self) -> int | None:
+        """The descriptor that came with this handle, now the caller's to close; ``None`` if none did."""
+        fd = self._fd
+        object.__setattr__(self, "_fd", None)
+        return fd
+
+    def _descriptors(self) -> list[int]:
+        """The descriptors to send with this handle: this process's own of the memory's pool, if any."""
+        f = self._f
+        if f.kind not in Kind.BY_DESCRIPTOR:
+            return []
+        if f.producer.token == this_process().token:
+            fd = _pools.producer_fd(f.resource)
+        else:
+            fd = _pools.received_fd(f.producer.token, f.resource)
+            if fd is None:
+                fd = self._fd
+        return [] if fd is None else [fd]
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("IpcArrayHandle is immutable")
 
     # --- the value ------------------------------------------------------------
     version = property(lambda self: VERSION, doc="Wire format version.")
-    kind = property(lambda self: Kind.names[self._f.kind], doc="How the memory is shared: 'legacy' or 'empty'.")
+    kind = property(lambda self: Kind.names[self._f.kind],
+                    doc="How the memory is shared: 'legacy', 'pool' (by file descriptor) or 'empty'.")
     memory_handle = property(lambda self: self._f.memory_handle, doc="64-byte CUDA memory handle of the allocation.")
     offset = property(lambda self: self._f.offset, doc="Byte offset of element 0 in the allocation.")
     allocation_size = property(lambda self: self._f.allocation_size, doc="Bytes in the base allocation.")
@@ -523,13 +580,21 @@ class IpcArrayHandle:
         # Raises ProducerExitedError if the producer is gone; in our own
         # process it is a second open file, so that our locks are separate.
         seg = _segment.attach(f.producer.token, f.producer.pid)
+        if own_ptr is not None:
+            key: tuple[Any, ...] = (map_device, "own", buffer_id)
+        elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
+            key = (map_device, f.kind, f.producer.token, f.buffer_id)
+        else:
+            key = (map_device, f.kind, f.memory_handle)
+        importer = None
+        if f.kind == Kind.POOL and own_ptr is None:
+            importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fd()), _pools.free_imported)
         with _cuda.using_device(map_device):
             ptr, lease = _mapping.acquire(
-                key=(map_device, f.kind, f.memory_handle) if own_ptr is None else (map_device, "own", buffer_id),
-                device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
+                key=key, device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
                 own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
                 producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
-                stream_device=stream_device, memory_device=home,
+                stream_device=stream_device, memory_device=home, importer=importer,
             )
             if f.flags & FLAG_EVENT and not from_us:
                 ev = open_cached(f.event_handle, home, f.producer)

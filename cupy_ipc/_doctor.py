@@ -21,6 +21,7 @@ from typing import Any
 
 from . import _cuda
 from ._cuda import unavailable_reason
+from ._descriptors import ptrace_scope
 
 __all__ = ["build_report", "render", "run_doctor"]
 
@@ -72,24 +73,16 @@ def _start_method() -> dict[str, Any]:
 
 
 _PIDFD_PROBE = """
-import ctypes, errno, os, sys
-try:
-    pidfd = os.pidfd_open(int(sys.argv[1]))
-except (AttributeError, OSError) as e:
-    print("unavailable", getattr(e, "errno", 0) or 0); raise SystemExit
-libc = ctypes.CDLL(None, use_errno=True)
-fd = libc.syscall(438, pidfd, 0, 0)  # pidfd_getfd(pidfd, targetfd=0, flags=0)
-print("allowed 0" if fd >= 0 else f"refused {ctypes.get_errno()}")
+import errno, sys
+from cupy_ipc._descriptors import pidfd_getfd_errno
+code = pidfd_getfd_errno(int(sys.argv[1]), 0)
+print("allowed 0" if code == 0 else ("unavailable" if code in (errno.ENOSYS, -1) else "refused"), max(code, 0))
 """
 
 
 def _ptrace() -> dict[str, Any]:
     """Yama's ptrace rule, and whether a process may take a descriptor of one it did not start."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope: int | None = int(f.read().strip())
-    except (OSError, ValueError):
-        scope = None
+    scope = ptrace_scope()
     # The child asks for a descriptor of its parent: the relation of a consumer
     # to a producer it did not start, which ptrace_scope 1 refuses.
     try:
@@ -213,13 +206,39 @@ _LEGACY: dict[str, Any] = {"name": "legacy", "title": "legacy handles (cudaMallo
                            "works": False, "round_trip_us": {}, "detail": "", "cause": "", "remedy": ""}
 
 
-def _legacy_self_test(devices: list[int]) -> dict[str, Any]:
-    """Share a 1 MiB array per GPU with a spawned process; time re-sent round trips."""
+_POOL: dict[str, Any] = {"name": "pool-fd", "title": "descriptors, stream-ordered pools (cudaMallocAsync)",
+                         "available": True, "works": False, "round_trip_us": {}, "detail": "", "cause": "",
+                         "remedy": ""}
+
+
+def _pool_support(devices: list[int]) -> str | None:
+    """Why stream-ordered pools cannot be shared by descriptor on ``devices``, or ``None`` if they can."""
+    try:
+        from cuda.bindings import driver
+
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES
+        posix = int(driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        for d in devices:
+            err, types = driver.cuDeviceGetAttribute(attr, d)
+            if err != driver.CUresult.CUDA_SUCCESS or not int(types) & posix:
+                return f"GPU {d} has no stream-ordered pools with POSIX file-descriptor handles"
+    except Exception as e:  # noqa: BLE001 - reported as the reason
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) -> dict[str, Any]:
+    """Share a 1 MiB array per GPU with a spawned process; time re-sent round trips.
+
+    ``allocator`` (a ``malloc``) makes the arrays; default: CuPy's current one.
+    """
+    import contextlib
+
     import cupy
 
     import cupy_ipc
 
-    result: dict[str, Any] = {**_LEGACY, "round_trip_us": {}}
+    result: dict[str, Any] = {**mode, "round_trip_us": {}}
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_self_test_consumer, args=(child,), daemon=True)
@@ -227,8 +246,10 @@ def _legacy_self_test(devices: list[int]) -> dict[str, Any]:
         proc.start()
         child.close()  # so that a consumer that dies ends our waits
         for d in devices:
+            using = cupy.cuda.using_allocator(allocator) if allocator else contextlib.nullcontext()
             with cupy.cuda.Device(d):
-                a = cupy.arange(_SELF_TEST_BYTES // 8, dtype=cupy.int64)  # integer sums: exact on both sides
+                with using:
+                    a = cupy.arange(_SELF_TEST_BYTES // 8, dtype=cupy.int64)  # integer sums: exact on both sides
                 expected = float(a.sum())
                 if _ask(conn, proc, ("write", d, cupy_ipc.get_ipc_handle(a).to_bytes())) != expected:
                     raise RuntimeError(f"GPU {d}: the consumer read other values than were written")
@@ -344,13 +365,22 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
                       "cause": "every GPU is in an exclusive or prohibited compute mode",
                       "remedy": "nvidia-smi -c DEFAULT (as root)"}
         elif self_test:
-            legacy = _legacy_self_test(usable)
+            legacy = _self_test(usable, _LEGACY)
         else:
             legacy = {**_LEGACY, "works": None, "detail": "self-test not run"}
+        missing = _pool_support(usable) if usable else "no GPU admits a second process"
+        if missing:
+            pool = {**_POOL, "available": False, "works": None, "detail": missing}
+        elif self_test:
+            from ._pools import ShareableMemoryPool
+
+            pool = _self_test(usable, _POOL, ShareableMemoryPool().malloc)
+        else:
+            pool = {**_POOL, "works": None, "detail": "self-test not run"}
         report["modes"] = [
             legacy,
             _not_built("vmm-fd", "descriptors, virtual-memory allocations (cuMemCreate)"),
-            _not_built("pool-fd", "descriptors, stream-ordered pools (cudaMallocAsync)"),
+            pool,
         ]
     report["problems"] = _problems(report)
     available = [m for m in report["modes"] if m["available"]]

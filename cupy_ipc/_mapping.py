@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from . import _cuda, _segment
 from ._errors import HandleError, IpcError
@@ -32,13 +32,14 @@ __all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts
 
 
 class _Mapping:
-    __slots__ = ("ptr", "device", "users", "imported")
+    __slots__ = ("ptr", "device", "users", "imported", "close")
 
-    def __init__(self, ptr: int, device: int, imported: bool) -> None:
+    def __init__(self, ptr: int, device: int, imported: bool, close: Callable[[int], None] | None = None) -> None:
         self.ptr = ptr
         self.device = device
         self.users = 0
         self.imported = imported
+        self.close = close  # how to unmap an import of another kind than a legacy handle
 
     def unmap(self) -> None:
         if not self.imported:
@@ -47,7 +48,10 @@ class _Mapping:
 
         try:
             with _cuda.using_device(self.device):
-                runtime.ipcCloseMemHandle(self.ptr)
+                if self.close is not None:
+                    self.close(self.ptr)
+                else:
+                    runtime.ipcCloseMemHandle(self.ptr)
         except Exception as e:  # destructor path: warn, never raise
             warnings.warn(f"cupy_ipc could not unmap 0x{self.ptr:x}: {e}", RuntimeWarning, stacklevel=2)
 
@@ -169,11 +173,13 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
-         own_ptr: int | None) -> _Mapping:
+         own_ptr: int | None, importer: tuple[Callable[[], int], Callable[[int], None]] | None) -> _Mapping:
     m = _active.get(key) or _idle.pop(key, None)
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
+        elif importer is not None:
+            m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1]), allocation_size)
         else:
             m = _import(device, memory_handle, allocation_size)
     _active[key] = m
@@ -189,9 +195,13 @@ def _import(device: int, memory_handle: bytes, allocation_size: int) -> _Mapping
             "opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
             runtime.cudaIpcMemLazyEnablePeerAccess,
         )
-    m = _Mapping(ptr, device, imported=True)
-    base, size = _cuda.address_range(ptr)
-    if base != ptr or size < allocation_size:
+    return _checked(_Mapping(ptr, device, imported=True), allocation_size)
+
+
+def _checked(m: _Mapping, allocation_size: int) -> _Mapping:
+    """``m``, unless the driver mapped less than the handle claims (then unmapped)."""
+    base, size = _cuda.address_range(m.ptr)
+    if base != m.ptr or size < allocation_size:
         m.unmap()
         raise HandleError(
             f"the handle claims a {allocation_size}-byte allocation but the driver mapped "
@@ -207,7 +217,9 @@ def _drop_user(key: tuple[Any, ...]) -> None:
     m.users -= 1
     if m.users == 0:
         del _active[key]
-        if _idle_limit:
+        # An imported pool allocation is freed here, before the claim goes: the
+        # producer may free it only once every importer has (CUDA's rule).
+        if _idle_limit and m.close is None:
             _idle[key] = m
             _trim_idle()
         else:
@@ -309,18 +321,20 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
 def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any,
-            stream_device: int | None = None, memory_device: int | None = None) -> tuple[int, Lease]:
+            stream_device: int | None = None, memory_device: int | None = None,
+            importer: tuple[Callable[[], int], Callable[[int], None]] | None = None) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device``; returns ``(pointer, lease)``.
 
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``, by
     default ``device``) is where the release is ordered; ``memory_device`` is
-    the GPU holding the memory (default ``device``).
+    the GPU holding the memory (default ``device``). ``importer`` maps and
+    unmaps memory that is not a legacy handle's: ``(map() -> ptr, unmap(ptr))``.
     """
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
         try:
-            m = _map(key, device, memory_handle, allocation_size, own_ptr)
+            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer)
         except BaseException:
             _unclaim(claim_key)
             raise

@@ -1,7 +1,8 @@
 """The byte layout of handles, and every check made on one before CUDA sees it.
 
 All integers are little-endian. An array handle is a fixed 273-byte header
-followed by ``ndim`` signed 64-bit extents and ``ndim`` signed 64-bit strides;
+followed by ``ndim`` signed 64-bit extents and ``ndim`` signed 64-bit strides
+(and, for memory shared by file descriptor, a 16-byte descriptor record);
 an event handle is a fixed 164-byte record. Both start with a 4-byte magic and
 a 2-byte format version. The README documents each field.
 """
@@ -48,9 +49,11 @@ class Kind:
     """How the memory is shared: the ``kind`` byte of an array handle."""
 
     LEGACY = 0  # cudaMalloc memory, cudaIpcGetMemHandle
+    POOL = 2  # a stream-ordered pool's allocation: the pool by file descriptor, the allocation's export data
     EMPTY = 255  # a size-0 array: nothing to map
 
-    names = {LEGACY: "legacy", EMPTY: "empty"}
+    names = {LEGACY: "legacy", POOL: "pool", EMPTY: "empty"}
+    BY_DESCRIPTOR = frozenset({POOL})  # kinds whose handle ends with a descriptor record
 
 
 _ARRAY = struct.Struct("<4sHBBB4s64sQQQQi16si16s16s32sQI64s")
@@ -62,6 +65,10 @@ _DYNAMIC_AT = 197
 _FLAGS = FLAG_KEEPALIVE | FLAG_EVENT
 _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 31), (0, 1 << 32)
 _HOST_BYTES = 32
+# After the extents and strides of a kind shared by descriptor: the descriptor's
+# number in the producer, 4 reserved bytes, and the producer's id for what it
+# names (a pool), so that a consumer imports each pool once.
+_DESCRIPTOR = struct.Struct("<iIQ")
 ARRAY_HEADER = _ARRAY.size
 EVENT_RECORD = _EVENT.size
 
@@ -103,6 +110,8 @@ class ArrayFields(NamedTuple):
     event_handle: bytes
     shape: tuple[int, ...]
     strides: tuple[int, ...]
+    fd: int = -1  # kinds shared by descriptor: the descriptor's number in the producer
+    resource: int = 0  # and the producer's id for the pool it names
 
 
 class EventFields(NamedTuple):
@@ -181,6 +190,8 @@ def validate_array(f: ArrayFields) -> None:
                         ("buffer id", f.buffer_id), ("export id", f.export_id)):
         _in_range(what, value, _U64)
     _in_range("slot", f.slot, _U32)
+    _in_range("descriptor", f.fd, _I32)
+    _in_range("resource id", f.resource, _U64)
     for n in f.shape:
         _in_range("extent", n, _I64)
     for s in f.strides:
@@ -204,6 +215,8 @@ def validate_layout(f: ArrayFields) -> None:
         return
     if 0 in f.shape:
         raise HandleError(f"shape {f.shape} has no elements, so the handle kind must be empty")
+    if f.kind in Kind.BY_DESCRIPTOR and (f.fd < 0 or f.resource == 0):
+        raise HandleError(f"a {Kind.names[f.kind]} handle needs the producer's descriptor and resource id")
     align = f.dtype.alignment
     if f.offset % align or any(s % align for n, s in zip(f.shape, f.strides) if n > 1):
         raise HandleError(
@@ -248,7 +261,8 @@ def _host(raw: bytes) -> str:
 def with_export(f: ArrayFields, flags: int, export_id: int, slot: int, event_handle: bytes) -> ArrayFields:
     """The fields of ``f`` with another export's dynamic part."""
     return ArrayFields(f.kind, flags, f.dtype, f.memory_handle, f.offset, f.allocation_size, f.base_ptr,
-                       f.buffer_id, f.device, f.producer, export_id, slot, event_handle, f.shape, f.strides)
+                       f.buffer_id, f.device, f.producer, export_id, slot, event_handle, f.shape, f.strides,
+                       f.fd, f.resource)
 
 
 def splice(static: bytes, flags: int, export_id: int, slot: int, event_handle: bytes) -> bytes:
@@ -265,7 +279,8 @@ def pack_array(f: ArrayFields) -> bytes:
         f.producer.pid, f.producer.token, f.producer.boot_id, f.producer.host.encode()[:32],
         f.export_id, f.slot, f.event_handle,
     )
-    return head + struct.pack(f"<{2 * ndim}q", *f.shape, *f.strides)
+    tail = _DESCRIPTOR.pack(f.fd, 0, f.resource) if f.kind in Kind.BY_DESCRIPTOR else b""
+    return head + struct.pack(f"<{2 * ndim}q", *f.shape, *f.strides) + tail
 
 
 # Validated static parts of received handles: a re-sent array parses once.
@@ -294,11 +309,15 @@ def _parse(raw: bytes) -> ArrayFields:
      token, boot, host, export_id, slot, event) = _ARRAY.unpack_from(raw)
     if ndim > MAX_NDIM:
         raise HandleError(f"{ndim} dimensions; at most {MAX_NDIM} are allowed")
-    if len(raw) != ARRAY_HEADER + 16 * ndim:
+    tail = _DESCRIPTOR.size if kind in Kind.BY_DESCRIPTOR else 0
+    if len(raw) != ARRAY_HEADER + 16 * ndim + tail:
         raise HandleError(
-            f"array handle is {len(raw)} bytes; {ARRAY_HEADER + 16 * ndim} expected for {ndim} dimensions"
+            f"array handle is {len(raw)} bytes; {ARRAY_HEADER + 16 * ndim + tail} expected for {ndim} dimensions"
         )
     dims = struct.unpack_from(f"<{2 * ndim}q", raw, ARRAY_HEADER)
+    fd, reserved, resource = _DESCRIPTOR.unpack_from(raw, ARRAY_HEADER + 16 * ndim) if tail else (-1, 0, 0)
+    if reserved:
+        raise HandleError("reserved bytes of the descriptor record are not zero")
     try:
         dtype_text = dtype.rstrip(b"\0").decode("ascii")
     except UnicodeDecodeError:
@@ -311,7 +330,7 @@ def _parse(raw: bytes) -> ArrayFields:
     fields = ArrayFields(
         kind, flags, dt, mem, offset, size, base, buffer_id,
         DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)), export_id, slot,
-        event, tuple(dims[:ndim]), tuple(dims[ndim:]),
+        event, tuple(dims[:ndim]), tuple(dims[ndim:]), fd, resource,
     )
     validate_layout(fields)  # the struct bounds every width and range
     return fields

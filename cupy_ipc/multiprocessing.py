@@ -77,13 +77,20 @@ def _warn_if_fork_default() -> None:
 
 
 # --- cupy.ndarray ----------------------------------------------------------------
-def _reduce_ndarray(array: Any) -> tuple[Any, tuple[bytes]]:
+def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     _warn_if_fork_default()
-    return _rebuild_ndarray, (get_ipc_handle(array).to_bytes(),)
+    h = get_ipc_handle(array)
+    fds = h._descriptors()
+    if fds:  # memory shared by descriptor: it rides SCM_RIGHTS (no ptrace permission needed)
+        return _rebuild_ndarray, (h.to_bytes(), _mp.reduction.DupFd(fds[0]))
+    return _rebuild_ndarray, (h.to_bytes(),)
 
 
-def _rebuild_ndarray(data: bytes) -> Any:
-    return IpcArrayHandle.from_bytes(data)._open()
+def _rebuild_ndarray(data: bytes, dup: Any = None) -> Any:
+    h = IpcArrayHandle.from_bytes(data)
+    if dup is not None:
+        h._adopt_descriptors([dup.detach()])
+    return h._open()
 
 
 # --- events ----------------------------------------------------------------------

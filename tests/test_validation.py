@@ -354,10 +354,33 @@ def test_empty_kind_with_nonzero_size(shape):
     rejected("empty handle must have a size-0 shape", IpcArrayHandle.from_bytes, data)
 
 
-@pytest.mark.parametrize("kind", [1, 2, 7, 128, 254])
+@pytest.mark.parametrize("kind", [1, 7, 128, 254])
 def test_unknown_kind_byte(kind):
     rejected(f"unknown memory kind {kind}", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, kind=kind))
     rejected(f"unknown memory kind {kind}", make, kind=kind)
+
+
+def make_pool(fd=7, resource=3):
+    return IpcArrayHandle(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
+                          dtype="float32", device=(0, UUID), producer=PRODUCER, kind=Kind.POOL, fd=fd,
+                          resource=resource)
+
+
+def test_pool_handle_carries_its_descriptor_record():
+    h = make_pool()
+    data = h.to_bytes()
+    assert len(data) == len(VALID) + 16 and h.kind == "pool"
+    assert IpcArrayHandle.from_bytes(data) == h and IpcArrayHandle.from_bytes(data)._f[-2:] == (7, 3)
+
+
+def test_pool_handle_without_or_with_a_bad_descriptor_record_is_refused():
+    data = make_pool().to_bytes()
+    rejected("321 expected for 2 dimensions", IpcArrayHandle.from_bytes, data[:-16])
+    rejected("321 expected", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, kind=Kind.POOL))
+    rejected("reserved bytes of the descriptor record", IpcArrayHandle.from_bytes, data[:-12] + b"\1" + data[-11:])
+    rejected("needs the producer's descriptor", make_pool, fd=-1)
+    rejected("needs the producer's descriptor", make_pool, resource=0)
+    rejected("descriptor .* does not fit", make_pool, fd=1 << 31)
 
 
 # --- lengths of the byte fields in the constructor ----------------------------------------------------------

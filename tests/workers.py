@@ -452,3 +452,58 @@ def write_through(data: bytes, device: int, value: float) -> None:
         cupy.cuda.get_current_stream().synchronize()
     h.close()
     del arr
+
+
+# --- memory shared by file descriptor ------------------------------------------------
+def pool_producer(n: int, value_offset: float = 0.0) -> bytes:
+    """Allocate ``n`` float32 from a shareable pool, fill them, keep them; the handle's bytes."""
+    import cupy
+
+    import cupy_ipc
+
+    pool = _held.get("pool")
+    if pool is None:
+        pool = _held["pool"] = cupy_ipc.ShareableMemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc):
+        a = cupy.arange(n, dtype=cupy.float32) + value_offset
+    _held.setdefault("pool_arrays", []).append(a)
+    return cupy_ipc.get_ipc_handle(a).to_bytes()
+
+
+def open_pool_bytes(data: bytes) -> dict[str, Any]:
+    """Open a pool handle from bytes (the descriptor is taken with pidfd_getfd), sum, write -1 at 0."""
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _pools
+
+    h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+    with h as a:
+        total = float(a.sum())
+        a[0] = -1
+        cupy.cuda.get_current_stream().synchronize()
+    del a
+    return {"kind": h.kind, "sum": total, "pools_imported": len(_pools._imports)}
+
+
+def recv_pool_handle(sock: Any) -> dict[str, Any]:
+    """Receive a handle and its descriptor over a Unix socket, and open it."""
+    import cupy_ipc
+    from cupy_ipc import _pools
+
+    h = cupy_ipc.recv_handle(sock)
+    got_fd = h._fd is not None
+    with h as a:
+        total = float(a.sum())
+    del a
+    return {"sum": total, "descriptor_came_along": got_fd, "pools_imported": len(_pools._imports)}
+
+
+def sum_from_queue(q: Any, out: Any) -> None:
+    """Receive arrays on ``q`` until None; answer each one's sum and the pools imported on ``out``."""
+    import cupy_ipc.multiprocessing  # noqa: F401 - the reducers
+    from cupy_ipc import _pools
+
+    while (a := q.get()) is not None:
+        out.put((float(a.sum()), len(_pools._imports)))
+        del a

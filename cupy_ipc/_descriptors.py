@@ -1,0 +1,183 @@
+"""Moving a file descriptor to another process: over a Unix socket, or taken with ``pidfd_getfd``.
+
+Memory shared by descriptor (virtual-memory allocations, stream-ordered pools)
+reaches a consumer as a POSIX file descriptor. A Unix socket carries one with
+``SCM_RIGHTS`` and needs no permission beyond the socket. A transport that
+carries only bytes leaves the consumer to take the descriptor out of the
+producer with ``pidfd_getfd``, which the kernel allows only to a process that
+may ptrace the producer: refused with ``EPERM`` under Yama ``ptrace_scope`` 1 or
+more (unless the producer allowed it), in many containers, and whenever the
+producer is not dumpable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+import struct
+from typing import Any
+
+from ._errors import IpcError, ProducerExitedError
+
+__all__ = ["allow_ptrace_from_any", "ptrace_scope", "recv_handle", "send_handle", "take_fd"]
+
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture Linux has
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+_LENGTH = struct.Struct("<I")
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def ptrace_scope() -> int | None:
+    """Yama's ``kernel.yama.ptrace_scope`` (0 to 3), or ``None`` where Yama is absent."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+_SCOPES = {
+    None: "this host has no Yama (kernel.yama.ptrace_scope absent), so the kernel's own rule applies: the same "
+          "user, and a dumpable producer",
+    0: "kernel.yama.ptrace_scope is 0 here (classic: any process of the same user, if the producer is dumpable)",
+    1: "kernel.yama.ptrace_scope is 1 here (restricted: only ancestors of the producer, or processes it named)",
+    2: "kernel.yama.ptrace_scope is 2 here (admin only: CAP_SYS_PTRACE)",
+    3: "kernel.yama.ptrace_scope is 3 here (no ptrace at all)",
+}
+
+
+def refused_message(pid: int) -> str:
+    """Why ``pidfd_getfd`` on process ``pid`` was refused, and both ways around it."""
+    return (
+        f"the kernel refused to hand over a file descriptor of producer process {pid} (pidfd_getfd: EPERM, "
+        "Operation not permitted). Taking a descriptor out of another process needs permission to ptrace it; "
+        f"{_SCOPES.get(ptrace_scope(), _SCOPES[None])}. Either send the handle over a Unix socket "
+        "(cupy_ipc.send_handle / recv_handle) or through cupy_ipc.multiprocessing, which pass the descriptor "
+        "itself and need no ptrace permission; or call cupy_ipc.allow_ptrace_from_any() in the producer, which "
+        "lets every process of the same user ptrace it (a security trade-off)"
+    )
+
+
+def _pidfd_getfd(pid: int, fd: int) -> tuple[int, int]:
+    """``(descriptor or -1, errno)``; ``ProcessLookupError`` if there is no process ``pid``."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        got = _libc().syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        return got, (0 if got >= 0 else ctypes.get_errno())
+    finally:
+        os.close(pidfd)
+
+
+def pidfd_getfd_errno(pid: int, fd: int) -> int:
+    """0 if this process may take descriptor ``fd`` of process ``pid`` (closing it again), else the errno; -1 if
+    this Python has no ``pidfd_open``."""
+    if not hasattr(os, "pidfd_open"):
+        return -1
+    try:
+        got, code = _pidfd_getfd(pid, fd)
+    except OSError as e:
+        return e.errno or -1
+    if got >= 0:
+        os.close(got)
+    return code
+
+
+def take_fd(pid: int, fd: int) -> int:
+    """A duplicate, in this process, of descriptor ``fd`` of process ``pid`` (``pidfd_getfd``).
+
+    Raises:
+        ProducerExitedError: Process ``pid`` does not exist.
+        IpcError: The kernel refused (the message explains the ptrace rule
+            and the remedies) or lacks ``pidfd_getfd`` (Linux < 5.6).
+    """
+    try:
+        got, code = _pidfd_getfd(pid, fd)
+    except ProcessLookupError:
+        raise ProducerExitedError(f"producer process {pid} has exited", pid=pid) from None
+    except OSError as e:
+        raise IpcError(f"pidfd_open({pid}) failed: {os.strerror(e.errno or 0)}") from e
+    if got >= 0:
+        return got
+    if code == errno.EPERM:
+        raise IpcError(refused_message(pid))
+    if code == errno.ENOSYS:
+        raise IpcError("this kernel has no pidfd_getfd (Linux 5.6 or newer has): send the handle over a Unix "
+                       "socket (cupy_ipc.send_handle) or through cupy_ipc.multiprocessing")
+    if code == errno.EBADF:
+        raise IpcError(f"producer process {pid} no longer has descriptor {fd}: it has stopped sharing this memory")
+    if code == errno.ESRCH:
+        raise ProducerExitedError(f"producer process {pid} has exited", pid=pid)
+    raise IpcError(f"pidfd_getfd on process {pid} failed: {os.strerror(code)}")
+
+
+def allow_ptrace_from_any() -> None:
+    """Let any process of this user ptrace this one, so that consumers may ``pidfd_getfd`` its descriptors.
+
+    A security trade-off: any process running as the same user can then read
+    and change this process's memory. Needed only where consumers receive
+    handles as bytes on hosts with Yama ``ptrace_scope`` 1; sending handles
+    over a Unix socket (:func:`send_handle`) or with
+    ``cupy_ipc.multiprocessing`` needs no such permission. It does not help a
+    process that is not dumpable, nor under ``ptrace_scope`` 2 or 3.
+
+    Raises:
+        IpcError: The kernel refused (no Yama, or not Linux).
+    """
+    if _libc().prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0) != 0:
+        code = ctypes.get_errno()
+        raise IpcError(f"prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY) failed: {os.strerror(code)} (it needs Yama; "
+                       "without Yama the kernel's default rule already lets the same user take descriptors)")
+
+
+def send_handle(sock: socket.socket, handle: Any) -> None:
+    """Send an :class:`IpcArrayHandle` (or event handle) over an ``AF_UNIX`` socket, descriptors included.
+
+    The descriptor behind memory shared by descriptor travels as
+    ``SCM_RIGHTS``, so the receiver needs no ptrace permission. Handles of
+    legacy memory travel as their bytes alone.
+
+    Example:
+        >>> a, b = socket.socketpair()                      # doctest: +SKIP
+        >>> send_handle(a, cupy_ipc.get_ipc_handle(arr))   # doctest: +SKIP
+        >>> h = recv_handle(b)                              # doctest: +SKIP
+    """
+    if sock.family != socket.AF_UNIX:
+        raise IpcError(f"send_handle needs an AF_UNIX socket, not {sock.family!r}")
+    data = handle.to_bytes()
+    fds = handle._descriptors() if hasattr(handle, "_descriptors") else []
+    socket.send_fds(sock, [_LENGTH.pack(len(data)), data], fds)
+
+
+def recv_handle(sock: socket.socket) -> Any:
+    """Receive a handle sent with :func:`send_handle`; its descriptors come with it."""
+    from ._array_handle import IpcArrayHandle
+    from ._events import IpcEventHandle
+    from ._wire import ARRAY_MAGIC
+
+    head, fds, _, _ = socket.recv_fds(sock, _LENGTH.size, 8)
+    try:
+        if len(head) != _LENGTH.size:
+            raise IpcError("the peer closed the socket before sending a handle")
+        (n,) = _LENGTH.unpack(head)
+        data = b""
+        while len(data) < n:
+            chunk, more, _, _ = socket.recv_fds(sock, n - len(data), 8)
+            fds += more
+            if not chunk:
+                raise IpcError("the peer closed the socket in the middle of a handle")
+            data += chunk
+        if data[:4] == ARRAY_MAGIC:
+            h = IpcArrayHandle.from_bytes(data)
+            h._adopt_descriptors(fds)
+            fds = []
+            return h
+        return IpcEventHandle.from_bytes(data)
+    finally:
+        for fd in fds:  # not taken by a handle
+            os.close(fd)

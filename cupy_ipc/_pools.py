@@ -1,0 +1,263 @@
+"""Stream-ordered pool memory (``cudaMallocAsync``) shared by file descriptor.
+
+A pool created with a POSIX file-descriptor handle type can be exported as a
+descriptor (``cuMemPoolExportToShareableHandle``); each of its allocations
+then crosses as 64 bytes of export data (``cuMemPoolExportPointer``). A
+consumer imports each producer's pool once and each allocation with
+``cuMemPoolImportPointer``, and frees the imported pointer before the
+producer may free the allocation (the keep-alive pin sees to that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+from typing import Any
+
+from . import _cuda
+from ._errors import IpcError
+
+__all__ = ["export", "forget", "import_pointer", "pool_of", "received_fd", "ShareableMemoryPool"]
+
+EXPORT_BYTES = 64
+_lock = threading.Lock()
+_ids = itertools.count(1)
+_exports: dict[int, tuple[int, int]] = {}  # producer: pool handle -> (descriptor, pool id)
+_imports: dict[tuple[bytes, int], tuple[Any, int]] = {}  # consumer: (producer token, pool id) -> (pool, descriptor)
+_access: set[tuple[int, int]] = set()  # consumer: (pool handle, device) given read/write access
+
+NOT_SHAREABLE = (
+    "this memory comes from a stream-ordered pool (cudaMallocAsync) created without a shareable handle type "
+    "(CuPy's MemoryAsyncPool uses such a pool), and no other process can import it; allocate it from "
+    "cupy_ipc.ShareableMemoryPool, or from CuPy's default MemoryPool"
+)
+
+
+def _driver() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(what: str, err: Any) -> None:
+    driver = _driver()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = err.name if hasattr(err, "name") else str(err)
+        raise IpcError(f"{what} failed: {name}", cuda_error=name)
+
+
+def _posix_fd() -> Any:
+    return _driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def pool_of(ptr: int) -> int:
+    """The handle of the stream-ordered pool ``ptr`` was allocated from; 0 for other memory."""
+    driver = _driver()
+    err, pool = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return 0
+    return int(pool) if pool is not None else 0
+
+
+def export(ptr: int, pool: int) -> tuple[bytes, int, int]:
+    """``(export data, descriptor, pool id)`` for the pool allocation starting at ``ptr``."""
+    driver = _driver()
+    err, types = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
+                                              ptr)
+    _check("asking which handle types the pool allows", err)
+    if not int(types) & int(_posix_fd()):
+        raise IpcError(NOT_SHAREABLE)
+    with _lock:
+        hit = _exports.get(pool)
+        if hit is None:
+            err, fd = driver.cuMemPoolExportToShareableHandle(driver.CUmemoryPool(pool), _posix_fd(), 0)
+            _check("exporting the memory pool", err)
+            hit = _exports[pool] = (int(fd), next(_ids))
+    err, data = driver.cuMemPoolExportPointer(ptr)
+    _check("exporting the pool allocation", err)
+    return ctypes.string_at(data.getPtr(), EXPORT_BYTES), hit[0], hit[1]
+
+
+def producer_fd(pool_id: int) -> int | None:
+    """This process's descriptor of its pool ``pool_id``, or of a pool it imported under that key."""
+    with _lock:
+        for fd, pid_ in _exports.values():
+            if pid_ == pool_id:
+                return fd
+    return None
+
+
+def received_fd(token: bytes, pool_id: int) -> int | None:
+    """The descriptor this process holds of another process's pool, if it imported it."""
+    with _lock:
+        hit = _imports.get((token, pool_id))
+    return hit[1] if hit else None
+
+
+def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int, given_fd: int | None) -> Any:
+    from ._descriptors import take_fd
+
+    driver = _driver()
+    key = (token, pool_id)
+    with _lock:
+        hit = _imports.get(key)
+    if hit is not None:
+        if given_fd is not None:
+            os.close(given_fd)
+        return hit[0]
+    fd = given_fd if given_fd is not None else take_fd(pid, fd_number)
+    err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _posix_fd(), 0)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        os.close(fd)
+        _check("importing the producer's memory pool", err)
+    with _lock:
+        # Kept open: a handle sent on from here carries it (SCM_RIGHTS).
+        _imports[key] = (pool, fd)
+    return pool
+
+
+def _give_access(pool: Any, device: int, home: int) -> None:
+    driver = _driver()
+    key = (int(pool), device)
+    if key in _access:
+        return
+    desc = driver.CUmemAccessDesc()
+    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    (err,) = driver.cuMemPoolSetAccess(pool, [desc], 1)
+    if err != driver.CUresult.CUDA_SUCCESS and device != home:
+        _check(f"giving GPU {device} access to the imported pool", err)
+    _access.add(key)
+
+
+def import_pointer(f: Any, device: int, home: int, given_fd: int | None) -> int:
+    """Map the pool allocation of handle fields ``f`` for ``device`` (current there); its pointer."""
+    from cupy.cuda import runtime
+
+    driver = _driver()
+    runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
+    pool = _imported_pool(f.producer.token, f.resource, f.producer.pid, f.fd, given_fd)
+    _give_access(pool, device, home)
+    data = driver.CUmemPoolPtrExportData()
+    ctypes.memmove(data.getPtr(), f.memory_handle, EXPORT_BYTES)
+    err, ptr = driver.cuMemPoolImportPointer(pool, data)
+    _check("importing the pool allocation", err)
+    return int(ptr)
+
+
+def free_imported(ptr: int) -> None:
+    """Unmap an imported pool allocation (the producer may free it once every importer has)."""
+    (err,) = _driver().cuMemFree(ptr)
+    _check("freeing the imported pool allocation", err)
+
+
+def forget() -> None:
+    """After fork: the parent's descriptors and imports are not this process's to use."""
+    _exports.clear()
+    _imports.clear()
+    _access.clear()
+
+
+class ShareableMemoryPool:
+    """A CuPy allocator whose blocks other processes can map, by file descriptor.
+
+    One stream-ordered pool per GPU, created with a POSIX file-descriptor
+    handle type; blocks are allocated (``cudaMallocFromPoolAsync``) and freed
+    (``cudaFreeAsync``) on the current stream. Each array exports as 64 bytes
+    once a consumer has the pool (its descriptor crosses once per consumer).
+    Built on these calls rather than on CuPy's ``MemoryAsyncPool``, which
+    allocates from the device's *current* pool and so makes its pool current
+    for the whole process: every other stream-ordered allocation would land
+    in it, and a second pool would take over the first's allocations.
+
+    Args:
+        device: The GPU to allocate on; ``None``: every GPU. Allocating on
+            another GPU raises ``IpcError``.
+
+    Example:
+        >>> pool = cupy_ipc.ShareableMemoryPool()                  # doctest: +SKIP
+        >>> with cupy.cuda.using_allocator(pool.malloc):           # doctest: +SKIP
+        ...     a = cupy.arange(10.0)
+        >>> h = cupy_ipc.get_ipc_handle(a)                         # doctest: +SKIP
+    """
+
+    def __init__(self, device: int | None = None) -> None:
+        import cupy
+
+        driver = _driver()
+        n = _cuda.device_count()  # also initializes the driver
+        devices = range(n) if device is None else [_cuda.checked_ordinal(device)]
+        self._pools: dict[int, Any] = {}
+        for d in devices:
+            props = driver.CUmemPoolProps()
+            props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            props.handleTypes = _posix_fd()
+            props.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            props.location.id = d
+            err, pool = driver.cuMemPoolCreate(props)
+            _check(f"creating a shareable memory pool on GPU {d}", err)
+            # Keep freed memory in the pool for the next allocation, as CuPy's pools do.
+            (err,) = driver.cuMemPoolSetAttribute(
+                pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))
+            _check("setting the pool's release threshold", err)
+            self._pools[d] = pool
+        self._allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, self._free)
+
+    def _pool(self, device: int) -> int:
+        pool = self._pools.get(device)
+        if pool is None:
+            raise IpcError(f"this ShareableMemoryPool allocates on GPU {', '.join(map(str, self._pools))}, "
+                           f"not on GPU {device}: make one with device=None for every GPU")
+        return int(pool)
+
+    def _malloc(self, size: int, device: int) -> int:
+        import cupy
+        from cupy.cuda import runtime
+
+        return runtime.mallocFromPoolAsync(size, self._pool(device), cupy.cuda.get_current_stream().ptr)
+
+    def _free(self, ptr: int, device: int) -> None:
+        import cupy
+        from cupy.cuda import runtime
+
+        with cupy.cuda.Device(device):
+            runtime.freeAsync(ptr, cupy.cuda.get_current_stream().ptr)
+
+    def malloc(self, size: int) -> Any:
+        """Allocate ``size`` bytes on the current GPU and stream (``cupy.cuda.set_allocator(pool.malloc)``)."""
+        return self._allocator.malloc(size)
+
+    def _attribute(self, name: str) -> int:
+        from cupy.cuda import runtime
+
+        pool = self._pools.get(runtime.getDevice())
+        return 0 if pool is None else int(runtime.memPoolGetAttribute(int(pool), getattr(runtime, name)))
+
+    def used_bytes(self) -> int:
+        """Bytes in use on the current GPU."""
+        return self._attribute("cudaMemPoolAttrUsedMemCurrent")
+
+    def total_bytes(self) -> int:
+        """Bytes the pool holds on the current GPU, in use or not."""
+        return self._attribute("cudaMemPoolAttrReservedMemCurrent")
+
+    def free_bytes(self) -> int:
+        return self.total_bytes() - self.used_bytes()
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        """Give the current GPU's unused memory back to the driver (after ``stream``'s frees)."""
+        import cupy
+        from cupy.cuda import runtime
+
+        (stream or cupy.cuda.get_current_stream()).synchronize()
+        pool = self._pools.get(runtime.getDevice())
+        if pool is not None:
+            runtime.memPoolTrimTo(int(pool), 0)
+
+    @property
+    def handles(self) -> dict[int, int]:
+        """The ``cudaMemPool_t`` of each GPU this pool allocates on, by ordinal."""
+        return {d: int(p) for d, p in self._pools.items()}

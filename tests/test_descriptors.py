@@ -1,0 +1,194 @@
+"""Moving descriptors between processes, with the kernel's real rules (no GPU needed).
+
+The memory of a shareable pool reaches a consumer as a file descriptor; these
+tests move ordinary descriptors (a memfd with known content) the same ways:
+over a Unix socket, and taken with ``pidfd_getfd``, which the kernel refuses
+(EPERM) to a process that may not ptrace the producer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import sys
+
+import pytest
+
+import cupy_ipc
+from cupy_ipc import IpcArrayHandle, IpcError, ProducerExitedError
+from cupy_ipc._descriptors import ptrace_scope, refused_message, take_fd
+from cupy_ipc._wire import Kind
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux descriptors")
+
+NOBODY = 65534
+PR_SET_DUMPABLE = 4
+
+
+def _memfd(content: bytes) -> int:
+    fd = os.memfd_create("cupy_ipc-test")
+    os.write(fd, content)
+    return fd
+
+
+def _read(fd: int) -> bytes:
+    return os.pread(fd, 64, 0)
+
+
+def _pool_handle(fd_number: int = 9) -> IpcArrayHandle:
+    return IpcArrayHandle(memory_handle=bytes(range(64)), offset=0, allocation_size=64, shape=(16,), strides=(4,),
+                          dtype="float32", device=(0, bytes(16)), producer=(os.getpid(), b"t" * 16, b"b" * 16, "h"),
+                          kind=Kind.POOL, fd=fd_number, resource=1)
+
+
+def test_send_handle_passes_the_descriptor_itself():
+    a, b = socket.socketpair()
+    fd = _memfd(b"pool")
+    h = _pool_handle(fd)
+    try:
+        # The producer's descriptor of its pool, as _descriptors() would find it.
+        h._adopt_descriptors([os.dup(fd)])
+        cupy_ipc.send_handle(a, h)
+        got = cupy_ipc.recv_handle(b)
+        assert got == h and got.kind == "pool"
+        received = got._take_fd()
+        assert received is not None and received != fd and _read(received) == b"pool"
+        assert os.fstat(received).st_ino == os.fstat(fd).st_ino
+        os.close(received)
+    finally:
+        for x in (a, b):
+            x.close()
+        os.close(fd)
+
+
+def test_a_legacy_handle_travels_as_bytes_alone():
+    a, b = socket.socketpair()
+    h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=64, shape=(16,), strides=(4,),
+                       dtype="float32", device=(0, bytes(16)), producer=(1, bytes(16), bytes(16), "h"))
+    with a, b:
+        cupy_ipc.send_handle(a, h)
+        got = cupy_ipc.recv_handle(b)
+        assert got == h and got._take_fd() is None
+
+
+def test_send_handle_refuses_other_sockets_and_recv_reports_a_closed_peer():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with pytest.raises(IpcError, match="AF_UNIX"):
+            cupy_ipc.send_handle(s, _pool_handle())
+    a, b = socket.socketpair()
+    a.close()
+    with b, pytest.raises(IpcError, match="closed the socket"):
+        cupy_ipc.recv_handle(b)
+
+
+def test_take_fd_from_a_live_process_and_a_dead_one():
+    fd = _memfd(b"mine")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child holds the descriptor until told to go
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        got = take_fd(pid, fd)
+        assert _read(got) == b"mine"
+        os.close(got)
+        with pytest.raises(IpcError, match="no longer has descriptor"):
+            take_fd(pid, 999)
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    with pytest.raises(ProducerExitedError):
+        take_fd(pid, fd)
+
+
+def _as_nobody(dumpable: int | None = None) -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    if dumpable is not None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, dumpable, 0, 0, 0)
+
+
+def _producer_and_consumer(dumpable: int) -> tuple[str, bytes]:
+    """Producer and consumer as the same non-root user; the consumer takes the descriptor, then receives it."""
+    sp = socket.socketpair()
+    info_r, info_w = os.pipe()
+    out_r, out_w = os.pipe()
+    go_r, go_w = os.pipe()
+    producer = os.fork()
+    if producer == 0:
+        code = 0
+        try:
+            _as_nobody(dumpable)
+            fd = _memfd(b"shared")
+            os.write(info_w, f"{os.getpid()} {fd}\n".encode())
+            os.read(go_r, 1)  # the consumer has tried pidfd_getfd
+            socket.send_fds(sp[0], [b"x"], [fd])
+            os.read(go_r, 1)  # the consumer is done
+        except BaseException:
+            code = 1
+        os._exit(code)
+    consumer = os.fork()
+    if consumer == 0:
+        code = 0
+        try:
+            _as_nobody()
+            pid, fd = (int(x) for x in os.read(info_r, 64).split())
+            try:
+                taken = take_fd(pid, fd)
+                outcome = "taken " + _read(taken).decode()
+            except IpcError as e:
+                outcome = "refused " + str(e)
+            os.write(go_w, b"x")
+            _, fds, _, _ = socket.recv_fds(sp[1], 1, 1)
+            os.write(out_w, (outcome + "\0").encode() + _read(fds[0]))
+            os.write(go_w, b"x")
+        except BaseException as e:
+            os.write(out_w, f"error {e!r}\0".encode())
+            os.write(go_w, b"xx")
+            code = 1
+        os._exit(code)
+    for fd in (info_w, out_w, go_r, info_r, go_w):
+        os.close(fd)
+    data = b""
+    while chunk := os.read(out_r, 4096):
+        data += chunk
+    os.close(out_r)
+    for pid in (consumer, producer):
+        os.waitpid(pid, 0)
+    sp[0].close()
+    sp[1].close()
+    outcome, _, received = data.partition(b"\0")
+    return outcome.decode(), received
+
+
+@pytest.fixture
+def may_switch_user():
+    if os.geteuid() != 0:
+        pytest.skip("switching to an unprivileged user for the ptrace rule needs root")
+
+
+def test_pidfd_getfd_refused_by_a_non_dumpable_producer_and_a_unix_socket_still_works(may_switch_user):
+    outcome, received = _producer_and_consumer(dumpable=0)
+    assert outcome.startswith("refused "), outcome
+    assert "EPERM" in outcome and "ptrace" in outcome and "send_handle" in outcome
+    assert "cupy_ipc.multiprocessing" in outcome and "allow_ptrace_from_any" in outcome
+    assert received == b"shared"  # the same pair, over a Unix socket
+
+
+def test_the_same_pair_may_take_the_descriptor_from_a_dumpable_producer(may_switch_user):
+    # The control: only the producer's dumpable flag differs, so the refusal above is the ptrace rule's.
+    outcome, received = _producer_and_consumer(dumpable=1)
+    if ptrace_scope() not in (None, 0):
+        pytest.skip(f"kernel.yama.ptrace_scope is {ptrace_scope()}: even a dumpable producer refuses")
+    assert outcome == "taken shared" and received == b"shared"
+
+
+def test_the_refusal_names_the_hosts_rule():
+    text = refused_message(4242)
+    assert "process 4242" in text and ("ptrace_scope" in text)

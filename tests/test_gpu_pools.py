@@ -1,0 +1,171 @@
+"""Stream-ordered pool memory shared by file descriptor, on a GPU, between real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+N = 1 << 16
+
+
+def _shareable(n=N, offset=0.0):
+    import cupy
+
+    import cupy_ipc
+
+    pool = cupy_ipc.ShareableMemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc):
+        a = cupy.arange(n, dtype=cupy.float32) + offset
+    return pool, a
+
+
+def _expected_sum(n=N, offset=0.0):
+    return float(np.arange(n, dtype=np.float64).sum() + n * offset)
+
+
+def test_pool_array_round_trips_as_bytes_through_pidfd_getfd(remote):
+    import cupy
+
+    import cupy_ipc
+
+    pool, a = _shareable()
+    h = cupy_ipc.get_ipc_handle(a)
+    assert h.kind == "pool" and pool.used_bytes() >= a.nbytes
+    consumer = remote()
+    r = consumer.call("open_pool_bytes", h.to_bytes())
+    assert r == {"kind": "pool", "sum": _expected_sum(), "pools_imported": 1}
+    assert float(a[0]) == -1  # the consumer's write landed in our memory
+    # A second array of the same pool: the pool is not imported again.
+    with cupy.cuda.using_allocator(pool.malloc):
+        b = cupy.ones(N, dtype=cupy.float32)
+    r = consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(b).to_bytes())
+    assert r["sum"] == N and r["pools_imported"] == 1
+
+
+def test_pool_handle_and_descriptor_over_a_unix_socket(remote):
+    import cupy_ipc
+
+    pool, a = _shareable(offset=1.0)
+    ours, theirs = socket.socketpair()
+    consumer = remote()
+    with ours:
+        consumer.send("recv_pool_handle", theirs)  # the socket itself travels to the helper
+        theirs.close()
+        cupy_ipc.send_handle(ours, cupy_ipc.get_ipc_handle(a))
+        r = consumer.result()
+    assert r == {"sum": _expected_sum(offset=1.0), "descriptor_came_along": True, "pools_imported": 1}
+
+
+def test_pool_arrays_through_cupy_ipc_multiprocessing():
+    import cupy
+
+    import cupy_ipc.multiprocessing as mp
+    import workers
+
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=workers.sum_from_queue, args=(q, out))
+    p.start()
+    try:
+        pool, a = _shareable()
+        with cupy.cuda.using_allocator(pool.malloc):
+            b = cupy.full(N, 3, dtype=cupy.float32)
+        q.put(a)
+        assert out.get(timeout=60) == (_expected_sum(), 1)
+        q.put(b)
+        assert out.get(timeout=60) == (3.0 * N, 1)  # same pool: imported once
+    finally:
+        q.put(None)
+        p.join(30)
+
+
+def test_consumer_keeps_reading_after_the_producer_is_killed(remote):
+    import cupy_ipc
+
+    producer = remote()
+    data = producer.call("pool_producer", N, 5.0)
+    h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+    a = h.open()
+    assert float(a.sum()) == _expected_sum(offset=5.0)
+    second = producer.call("pool_producer", N, 7.0)
+    producer.kill()
+    time.sleep(0.5)
+    # The driver counts references to the pool's memory: ours keeps it.
+    assert float(a.sum()) == _expected_sum(offset=5.0)
+    assert float(a[10]) == 15.0
+    with pytest.raises(cupy_ipc.ProducerExitedError):
+        cupy_ipc.IpcArrayHandle.from_bytes(second).open()
+    h.close()
+    del a
+
+
+def test_a_pool_without_a_shareable_handle_type_is_refused_with_advice():
+    import cupy
+
+    import cupy_ipc
+
+    with cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool("default").malloc):  # the device's default pool
+        a = cupy.zeros(16, cupy.float32)
+    with pytest.raises(cupy_ipc.IpcError, match="ShareableMemoryPool"):
+        cupy_ipc.get_ipc_handle(a)
+
+
+def test_no_descriptor_leak_over_many_round_trips(remote):
+    import cupy
+
+    import cupy_ipc
+
+    pool, _ = _shareable()
+    consumer = remote()
+
+    def trips(n):
+        for i in range(n):
+            with cupy.cuda.using_allocator(pool.malloc):
+                a = cupy.full(1024, i, dtype=cupy.float32)
+            assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())["sum"] == 1024.0 * i
+            del a
+
+    def fds():
+        cupy_ipc.collect()
+        return sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                      if os.path.exists(f"/proc/self/fd/{fd}")), consumer.call("open_fds")
+
+    # Warm-up, then two equal halves: a leak grows in both. Seen on an H200:
+    # the driver opens one more /dev/shm/cuda.shm.* file after some hundreds of
+    # exports (between the 300th and 550th here), so the halves start at 600.
+    trips(100)
+    fds()
+    trips(500)
+    mid = fds()
+    trips(500)
+    after = fds()
+    assert after[1] == mid[1]
+    assert after[0] == mid[0], (set(after[0]) - set(mid[0]))
+
+
+def test_two_pools_keep_their_own_blocks_and_leave_the_devices_current_pool_alone():
+    import cupy
+    from cupy.cuda import runtime
+
+    import cupy_ipc
+    from cupy_ipc import _pools
+
+    before = runtime.deviceGetMemPool(0)
+    first, second = cupy_ipc.ShareableMemoryPool(), cupy_ipc.ShareableMemoryPool(device=0)
+    assert runtime.deviceGetMemPool(0) == before
+    with cupy.cuda.using_allocator(first.malloc):
+        a = cupy.ones(N, cupy.float32)
+    with cupy.cuda.using_allocator(second.malloc):
+        b = cupy.ones(N, cupy.float32)
+    assert _pools.pool_of(a.data.ptr) == first.handles[0] != _pools.pool_of(b.data.ptr) == second.handles[0]
+    assert first.used_bytes() >= a.nbytes and first.total_bytes() >= first.used_bytes()
+    del a
+    cupy.cuda.get_current_stream().synchronize()
+    first.free_all_blocks()
+    assert first.used_bytes() == 0
