@@ -8,6 +8,7 @@ from roundtrip import size_label
 
 LABELS = {"raw": "raw CuPy calls (no safety)", "cupy_ipc": "cupy_ipc (handle bytes)",
           "mp": "cupy_ipc.multiprocessing", "pool": "cupy_ipc.multiprocessing, shareable pool",
+          "vmm": "cupy_ipc.multiprocessing, virtual memory",
           "torch": "torch.multiprocessing", "staging": "host staging",
           "bare": "bare queue message"}
 

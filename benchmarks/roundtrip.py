@@ -14,6 +14,8 @@ ack, timed by the producer. Methods:
   (the same guarantees; the array is pickled by handle);
 - ``pool``: as ``mp``, with arrays of a ``cupy_ipc.ShareableMemoryPool``
   (shared by file descriptor: the pool once, then 64 bytes per array);
+- ``vmm``: as ``mp``, with arrays of CUDA's virtual memory API (one
+  descriptor per allocation);
 - ``torch``: ``torch.multiprocessing`` with a CUDA tensor (when installed);
 - ``staging``: ``cupy.asnumpy`` → queue → ``cupy.asarray``.
 
@@ -43,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-METHODS = ("bare", "raw", "cupy_ipc", "mp", "pool", "torch", "staging")
+METHODS = ("bare", "raw", "cupy_ipc", "mp", "pool", "vmm", "torch", "staging")
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -67,7 +69,7 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
 
     if method == "torch":
         import torch  # noqa: F401 - unpickling the tensors needs torch's reductions
-    if method in ("mp", "pool"):
+    if method in ("mp", "pool", "vmm"):
         import cupy_ipc.multiprocessing  # noqa: F401 - results would travel by handle too
     mapped: dict[bytes, int] = {}
     while True:
@@ -95,7 +97,7 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
             with IpcArrayHandle.from_bytes(msg) as arr:
                 value = float(arr[0])
             del arr
-        elif method in ("torch", "mp", "pool"):
+        elif method in ("torch", "mp", "pool", "vmm"):
             value = float(msg[0])
             del msg
         else:  # staging
@@ -122,7 +124,7 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
         import cupy_ipc
 
         return cupy_ipc.get_ipc_handle(arr).to_bytes()
-    if method in ("torch", "mp", "pool"):
+    if method in ("torch", "mp", "pool", "vmm"):
         return arr
     return cupy.asnumpy(arr)
 
@@ -136,6 +138,11 @@ def _new_buffer(method: str, nbytes: int, value: int) -> Any:
         return torch.full((nbytes // 4,), float(value), dtype=torch.float32, device="cuda")
     if method == "pool":
         with cupy.cuda.using_allocator(_shareable_pool().malloc):
+            return cupy.full(nbytes // 4, value, cupy.float32)
+    if method == "vmm":
+        from cupy_ipc import _vmm
+
+        with cupy.cuda.using_allocator(_vmm.allocate):
             return cupy.full(nbytes // 4, value, cupy.float32)
     return cupy.full(nbytes // 4, value, cupy.float32)
 
@@ -155,7 +162,7 @@ def _free(method: str) -> None:
     # Untimed: give the memory back so the next fresh buffer is a new allocation.
     import cupy
 
-    if method in ("cupy_ipc", "mp", "pool"):
+    if method in ("cupy_ipc", "mp", "pool", "vmm"):
         import cupy_ipc
 
         cupy_ipc.collect()
@@ -193,7 +200,7 @@ def _context(method: str) -> Any:
         import torch.multiprocessing as tmp
 
         return tmp.get_context("spawn")
-    if method in ("mp", "pool"):
+    if method in ("mp", "pool", "vmm"):
         import cupy_ipc.multiprocessing as cmp
 
         return cmp.get_context("spawn")
@@ -353,11 +360,11 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{r['p10_us']:.0f}–{r['p90_us']:.0f} | {ratio} |")
     median = {(r["method"], r["bytes"], r["resent"]): r["median_us"] for r in rows}
     lines += ["", "| size | kind | cupy_ipc ÷ raw | torch ÷ cupy_ipc | staging ÷ cupy_ipc | mp ÷ raw "
-              "| torch ÷ mp | staging ÷ mp | pool ÷ mp |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| torch ÷ mp | staging ÷ mp | pool ÷ mp | vmm ÷ mp |", "|---|---|" + "---:|" * 8]
     for nbytes, resent in ours:
         cells = []
         for num, den in (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("staging", "cupy_ipc"),
-                         ("mp", "raw"), ("torch", "mp"), ("staging", "mp"), ("pool", "mp")):
+                         ("mp", "raw"), ("torch", "mp"), ("staging", "mp"), ("pool", "mp"), ("vmm", "mp")):
             a, b = median.get((num, nbytes, resent)), median.get((den, nbytes, resent))
             cells.append(f"{a / b:.2f}" if a and b else "")
         lines.append(f"| {size_label(nbytes)} | {'re-sent' if resent else 'fresh'} | " + " | ".join(cells) + " |")

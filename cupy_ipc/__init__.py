@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from . import _events, _keepalive, _mapping
+from . import _events, _keepalive, _mapping, _vmm
 from ._array_handle import IpcArrayHandle, OpenInfo, get_ipc_handle, open_info
 from ._descriptors import allow_ptrace_from_any, recv_handle, send_handle
 from ._errors import ClosedError, HandleError, IpcError, ProducerExitedError
@@ -74,6 +74,7 @@ def collect() -> None:
         >>> cupy_ipc.collect()
     """
     _keepalive.sweep()
+    _vmm.sweep()
     _mapping.collect_idle()
     _events.drop_cached()
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from . import _cuda, _fork, _keepalive, _mapping, _pools, _segment
+from . import _cuda, _fork, _keepalive, _mapping, _pools, _segment, _vmm
 from ._errors import IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
@@ -164,18 +164,29 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
         base, size = info.base, info.size
         if info.legacy_ipc:
             memory_handle = _memory_handle(info.base, info.buffer_id)
-        else:
-            pool = _pools.pool_of(base)
-            if not pool:
-                raise IpcError(
-                    "this memory comes from CUDA's virtual memory API (cuMemCreate, as PyTorch's expandable "
-                    "segments use), or was mapped from another process by other means, and cupy_ipc does not "
-                    "share it yet; allocate it with cudaMalloc (CuPy's default MemoryPool) or from "
-                    "cupy_ipc.ShareableMemoryPool"
-                )
+        elif pool := _pools.pool_of(base):
             memory_handle, fd, resource = _pools.export(base, pool)
             kind = Kind.POOL
+            if len(_exported) >= _HANDLE_CACHE_SIZE:
+                _exported.clear()
             _exported[memory_handle] = (base, info.buffer_id)
+        elif _vmm.is_vmm(base):
+            _vmm.sweep()
+            _, hi = byte_extent(arr.shape, arr.strides, dtype.itemsize)
+            if arr.data.ptr - base + hi > size:
+                raise IpcError(
+                    f"this array reaches past the {size}-byte piece of virtual memory its first element lies in "
+                    "(memory of CUDA's virtual memory API, mapped piece by piece as PyTorch's expandable segments "
+                    "do): cupy_ipc shares arrays that lie inside one piece; copy it into one array first"
+                )
+            fd, resource = _vmm.export(base, info.buffer_id)
+            memory_handle, kind = _NO_HANDLE, Kind.VMM
+        else:
+            raise IpcError(
+                "the driver knows this pointer as device memory but neither as a cudaMalloc allocation, a "
+                "stream-ordered pool's nor the virtual memory API's (was it mapped from another process by other "
+                "means?), so cupy_ipc cannot share it; copy it into an array of CuPy's default MemoryPool"
+            )
     fields = ArrayFields(
         kind, 0, dtype, memory_handle, arr.data.ptr - base, size, base, info.buffer_id,
         DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides,
@@ -327,6 +338,7 @@ def _forget_after_fork() -> None:
     _by_array.clear()  # the templates carry the parent's identity
     _opened_unmapped.clear()
     _pools.forget()
+    _vmm.forget()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -416,9 +428,9 @@ class IpcArrayHandle:
         if f.kind not in Kind.BY_DESCRIPTOR:
             return []
         if f.producer.token == this_process().token:
-            fd = _pools.producer_fd(f.resource)
+            fd = (_pools if f.kind == Kind.POOL else _vmm).producer_fd(f.resource)
         else:
-            fd = _pools.received_fd(f.producer.token, f.resource)
+            fd = _pools.received_fd(f.producer.token, f.resource) if f.kind == Kind.POOL else None
             if fd is None:
                 fd = self._fd
         return [] if fd is None else [fd]
@@ -437,7 +449,7 @@ class IpcArrayHandle:
     # --- the value ------------------------------------------------------------
     version = property(lambda self: VERSION, doc="Wire format version.")
     kind = property(lambda self: Kind.names[self._f.kind],
-                    doc="How the memory is shared: 'legacy', 'pool' (by file descriptor) or 'empty'.")
+                    doc="How the memory is shared: 'legacy', 'vmm' or 'pool' (by file descriptor), or 'empty'.")
     memory_handle = property(lambda self: self._f.memory_handle, doc="64-byte CUDA memory handle of the allocation.")
     offset = property(lambda self: self._f.offset, doc="Byte offset of element 0 in the allocation.")
     allocation_size = property(lambda self: self._f.allocation_size, doc="Bytes in the base allocation.")
@@ -584,11 +596,17 @@ class IpcArrayHandle:
             key: tuple[Any, ...] = (map_device, "own", buffer_id)
         elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
             key = (map_device, f.kind, f.producer.token, f.buffer_id)
+        elif f.kind == Kind.VMM:
+            key = (map_device, f.kind, f.producer.token, f.resource)
         else:
             key = (map_device, f.kind, f.memory_handle)
         importer = None
         if f.kind == Kind.POOL and own_ptr is None:
             importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fd()), _pools.free_imported)
+        elif f.kind == Kind.VMM and own_ptr is None:
+            importer = (lambda: _vmm.import_mapping(f.producer.pid, f.fd, f.allocation_size, map_device,
+                                                    self._take_fd()),
+                        lambda ptr: _vmm.unmap(ptr, f.allocation_size))
         with _cuda.using_device(map_device):
             ptr, lease = _mapping.acquire(
                 key=key, device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,

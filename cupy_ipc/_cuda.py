@@ -146,6 +146,29 @@ def _driver() -> Any:
     return driver
 
 
+def check(what: str, err: Any) -> None:
+    """Raise :class:`IpcError` naming ``what`` unless a driver call's ``err`` is success."""
+    driver = _driver()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = err.name if hasattr(err, "name") else str(err)
+        raise IpcError(f"{what} failed: {name}", cuda_error=name)
+
+
+def posix_fd() -> Any:
+    """The POSIX file-descriptor handle type of the driver's shareable handles."""
+    return _driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
+def access_desc(device: int) -> Any:
+    """A read/write access descriptor for ``device``."""
+    driver = _driver()
+    desc = driver.CUmemAccessDesc()
+    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
 def device_count() -> int:
     from cupy.cuda import runtime
 

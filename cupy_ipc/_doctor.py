@@ -206,22 +206,28 @@ _LEGACY: dict[str, Any] = {"name": "legacy", "title": "legacy handles (cudaMallo
                            "works": False, "round_trip_us": {}, "detail": "", "cause": "", "remedy": ""}
 
 
+_VMM: dict[str, Any] = {"name": "vmm-fd", "title": "descriptors, virtual-memory allocations (cuMemCreate)",
+                        "available": True, "works": False, "round_trip_us": {}, "detail": "", "cause": "",
+                        "remedy": ""}
 _POOL: dict[str, Any] = {"name": "pool-fd", "title": "descriptors, stream-ordered pools (cudaMallocAsync)",
                          "available": True, "works": False, "round_trip_us": {}, "detail": "", "cause": "",
                          "remedy": ""}
 
 
-def _pool_support(devices: list[int]) -> str | None:
-    """Why stream-ordered pools cannot be shared by descriptor on ``devices``, or ``None`` if they can."""
+def _descriptor_support(devices: list[int], attribute: str, what: str) -> str | None:
+    """Why ``what`` cannot be shared by POSIX descriptor on ``devices`` (the device ``attribute`` says), or None."""
     try:
         from cuda.bindings import driver
 
-        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES
-        posix = int(driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        attr = getattr(driver.CUdevice_attribute, attribute)
+        posix = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         for d in devices:
-            err, types = driver.cuDeviceGetAttribute(attr, d)
-            if err != driver.CUresult.CUDA_SUCCESS or not int(types) & posix:
-                return f"GPU {d} has no stream-ordered pools with POSIX file-descriptor handles"
+            err, value = driver.cuDeviceGetAttribute(attr, d)
+            # The pool attribute is a mask of handle types; the virtual-memory one is a yes or no.
+            ok = err == driver.CUresult.CUDA_SUCCESS and (
+                int(value) & int(posix) if "MEMPOOL" in attribute else bool(value))
+            if not ok:
+                return f"GPU {d} cannot share {what} by POSIX file descriptor"
     except Exception as e:  # noqa: BLE001 - reported as the reason
         return f"{type(e).__name__}: {e}"
     return None
@@ -287,11 +293,20 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
     return result
 
 
-def _not_built(name: str, title: str) -> dict[str, Any]:
-    from . import __version__
-
-    return {"name": name, "title": title, "available": False, "works": None, "round_trip_us": {},
-            "detail": f"cupy_ipc {__version__} does not share this kind of allocation yet", "cause": "", "remedy": ""}
+def _descriptor_mode(usable: list[int], mode: dict[str, Any], self_test: bool, attribute: str, what: str,
+                     allocator: Any) -> dict[str, Any]:
+    """A mode shared by descriptor: unavailable (and why), self-tested with ``allocator()``, or not tested."""
+    missing = _descriptor_support(usable, attribute, what) if usable else "no GPU admits a second process"
+    if missing:
+        return {**mode, "available": False, "works": None, "detail": missing}
+    if not self_test:
+        return {**mode, "works": None, "detail": "self-test not run"}
+    try:
+        malloc = allocator()
+    except Exception as e:  # noqa: BLE001 - the report explains it
+        return {**mode, "detail": f"{type(e).__name__}: {e}", "cause": str(e),
+                "remedy": "run `python -m cupy_ipc demo` to see the failing step; check the items above"}
+    return _self_test(usable, mode, malloc)
 
 
 # --- the report ---------------------------------------------------------------------------
@@ -368,19 +383,17 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
             legacy = _self_test(usable, _LEGACY)
         else:
             legacy = {**_LEGACY, "works": None, "detail": "self-test not run"}
-        missing = _pool_support(usable) if usable else "no GPU admits a second process"
-        if missing:
-            pool = {**_POOL, "available": False, "works": None, "detail": missing}
-        elif self_test:
-            from ._pools import ShareableMemoryPool
+        from . import _vmm
+        from ._pools import ShareableMemoryPool
 
-            pool = _self_test(usable, _POOL, ShareableMemoryPool().malloc)
-        else:
-            pool = {**_POOL, "works": None, "detail": "self-test not run"}
-        report["modes"] = [
-            legacy,
-            _not_built("vmm-fd", "descriptors, virtual-memory allocations (cuMemCreate)"),
-            pool,
+        report["modes"] = [legacy] + [
+            _descriptor_mode(usable, mode, self_test, attribute, what, allocator)
+            for mode, attribute, what, allocator in (
+                (_VMM, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "virtual-memory allocations",
+                 lambda: _vmm.allocate),
+                (_POOL, "CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES", "stream-ordered pools",
+                 lambda: ShareableMemoryPool().malloc),
+            )
         ]
     report["problems"] = _problems(report)
     available = [m for m in report["modes"] if m["available"]]

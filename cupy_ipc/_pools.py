@@ -36,20 +36,7 @@ NOT_SHAREABLE = (
 
 
 def _driver() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(what: str, err: Any) -> None:
-    driver = _driver()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        name = err.name if hasattr(err, "name") else str(err)
-        raise IpcError(f"{what} failed: {name}", cuda_error=name)
-
-
-def _posix_fd() -> Any:
-    return _driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return _cuda._driver()
 
 
 def pool_of(ptr: int) -> int:
@@ -66,17 +53,17 @@ def export(ptr: int, pool: int) -> tuple[bytes, int, int]:
     driver = _driver()
     err, types = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
                                               ptr)
-    _check("asking which handle types the pool allows", err)
-    if not int(types) & int(_posix_fd()):
+    _cuda.check("asking which handle types the pool allows", err)
+    if not int(types) & int(_cuda.posix_fd()):
         raise IpcError(NOT_SHAREABLE)
     with _lock:
         hit = _exports.get(pool)
         if hit is None:
-            err, fd = driver.cuMemPoolExportToShareableHandle(driver.CUmemoryPool(pool), _posix_fd(), 0)
-            _check("exporting the memory pool", err)
+            err, fd = driver.cuMemPoolExportToShareableHandle(driver.CUmemoryPool(pool), _cuda.posix_fd(), 0)
+            _cuda.check("exporting the memory pool", err)
             hit = _exports[pool] = (int(fd), next(_ids))
     err, data = driver.cuMemPoolExportPointer(ptr)
-    _check("exporting the pool allocation", err)
+    _cuda.check("exporting the pool allocation", err)
     return ctypes.string_at(data.getPtr(), EXPORT_BYTES), hit[0], hit[1]
 
 
@@ -108,10 +95,10 @@ def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int, given_f
             os.close(given_fd)
         return hit[0]
     fd = given_fd if given_fd is not None else take_fd(pid, fd_number)
-    err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _posix_fd(), 0)
+    err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _cuda.posix_fd(), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         os.close(fd)
-        _check("importing the producer's memory pool", err)
+        _cuda.check("importing the producer's memory pool", err)
     with _lock:
         # Kept open: a handle sent on from here carries it (SCM_RIGHTS).
         _imports[key] = (pool, fd)
@@ -123,13 +110,9 @@ def _give_access(pool: Any, device: int, home: int) -> None:
     key = (int(pool), device)
     if key in _access:
         return
-    desc = driver.CUmemAccessDesc()
-    desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = device
-    desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    (err,) = driver.cuMemPoolSetAccess(pool, [desc], 1)
+    (err,) = driver.cuMemPoolSetAccess(pool, [_cuda.access_desc(device)], 1)
     if err != driver.CUresult.CUDA_SUCCESS and device != home:
-        _check(f"giving GPU {device} access to the imported pool", err)
+        _cuda.check(f"giving GPU {device} access to the imported pool", err)
     _access.add(key)
 
 
@@ -144,14 +127,14 @@ def import_pointer(f: Any, device: int, home: int, given_fd: int | None) -> int:
     data = driver.CUmemPoolPtrExportData()
     ctypes.memmove(data.getPtr(), f.memory_handle, EXPORT_BYTES)
     err, ptr = driver.cuMemPoolImportPointer(pool, data)
-    _check("importing the pool allocation", err)
+    _cuda.check("importing the pool allocation", err)
     return int(ptr)
 
 
 def free_imported(ptr: int) -> None:
     """Unmap an imported pool allocation (the producer may free it once every importer has)."""
     (err,) = _driver().cuMemFree(ptr)
-    _check("freeing the imported pool allocation", err)
+    _cuda.check("freeing the imported pool allocation", err)
 
 
 def forget() -> None:
@@ -194,15 +177,15 @@ class ShareableMemoryPool:
         for d in devices:
             props = driver.CUmemPoolProps()
             props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-            props.handleTypes = _posix_fd()
+            props.handleTypes = _cuda.posix_fd()
             props.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             props.location.id = d
             err, pool = driver.cuMemPoolCreate(props)
-            _check(f"creating a shareable memory pool on GPU {d}", err)
+            _cuda.check(f"creating a shareable memory pool on GPU {d}", err)
             # Keep freed memory in the pool for the next allocation, as CuPy's pools do.
             (err,) = driver.cuMemPoolSetAttribute(
                 pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))
-            _check("setting the pool's release threshold", err)
+            _cuda.check("setting the pool's release threshold", err)
             self._pools[d] = pool
         self._allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, self._free)
 

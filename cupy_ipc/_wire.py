@@ -49,11 +49,12 @@ class Kind:
     """How the memory is shared: the ``kind`` byte of an array handle."""
 
     LEGACY = 0  # cudaMalloc memory, cudaIpcGetMemHandle
+    VMM = 1  # an allocation of the virtual memory API (cuMemCreate), by file descriptor
     POOL = 2  # a stream-ordered pool's allocation: the pool by file descriptor, the allocation's export data
     EMPTY = 255  # a size-0 array: nothing to map
 
-    names = {LEGACY: "legacy", POOL: "pool", EMPTY: "empty"}
-    BY_DESCRIPTOR = frozenset({POOL})  # kinds whose handle ends with a descriptor record
+    names = {LEGACY: "legacy", VMM: "vmm", POOL: "pool", EMPTY: "empty"}
+    BY_DESCRIPTOR = frozenset({VMM, POOL})  # kinds whose handle ends with a descriptor record
 
 
 _ARRAY = struct.Struct("<4sHBBB4s64sQQQQi16si16s16s32sQI64s")
@@ -67,7 +68,7 @@ _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 
 _HOST_BYTES = 32
 # After the extents and strides of a kind shared by descriptor: the descriptor's
 # number in the producer, 4 reserved bytes, and the producer's id for what it
-# names (a pool), so that a consumer imports each pool once.
+# names (an allocation or a pool), so that a consumer imports each pool once.
 _DESCRIPTOR = struct.Struct("<iIQ")
 ARRAY_HEADER = _ARRAY.size
 EVENT_RECORD = _EVENT.size
@@ -111,7 +112,7 @@ class ArrayFields(NamedTuple):
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     fd: int = -1  # kinds shared by descriptor: the descriptor's number in the producer
-    resource: int = 0  # and the producer's id for the pool it names
+    resource: int = 0  # and the producer's id for the allocation or pool it names
 
 
 class EventFields(NamedTuple):

@@ -39,7 +39,7 @@ timeout 60 $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"
 demo_rc=$?
 timeout 120 $PY -m cupy_ipc doctor 2>&1 | tee "$OUT/doctor.log"
 doctor_rc=$?
-PYTHONPATH="$SITE" timeout 330 $PY benchmarks/suite.py --watchdog 320 --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,pool,torch,staging} \
+PYTHONPATH="$SITE" timeout 330 $PY benchmarks/suite.py --watchdog 320 --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,pool,vmm,torch,staging} \
     --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
     --out benchmarks/results 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?

@@ -48,7 +48,7 @@ def test_markdown_reports_each_part():
 def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     r = subprocess.run(
         [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
-         "--methods", "bare,raw,cupy_ipc,mp,pool", "--pingpong-iters", "20", "--bandwidth-bytes", "16MiB",
+         "--methods", "bare,raw,cupy_ipc,mp,pool,vmm", "--pingpong-iters", "20", "--bandwidth-bytes", "16MiB",
          "--all-gather-iters", "5", "--out", str(tmp_path), "--watchdog", "150"],
         capture_output=True, text=True, timeout=200,
     )
@@ -57,7 +57,7 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     assert doc["errors"] == {}
     assert {(row["method"], row["resent"]) for row in doc["roundtrip"]} == {
         ("bare", False), ("raw", False), ("raw", True), ("cupy_ipc", False), ("cupy_ipc", True), ("mp", False),
-        ("mp", True), ("pool", False), ("pool", True)}
+        ("mp", True), ("pool", False), ("pool", True), ("vmm", False), ("vmm", True)}
     assert doc["events"]["event"]["median_us"] > 0 and doc["events"]["raw"]["median_us"] > 0
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
     if doc["environment"]["gpus"] > 1 and "torch" in doc["environment"]:

@@ -507,3 +507,36 @@ def sum_from_queue(q: Any, out: Any) -> None:
     while (a := q.get()) is not None:
         out.put((float(a.sum()), len(_pools._imports)))
         del a
+
+
+def vmm_array(n: int, shareable: bool = True) -> Any:
+    """``n`` float32 (0, 1, 2, ...) in memory of the virtual memory API, on the current GPU."""
+    import cupy
+
+    from cupy_ipc import _vmm
+
+    a = cupy.ndarray((n,), cupy.float32, _vmm.allocate(4 * n, shareable))
+    a[...] = cupy.arange(n, dtype=cupy.float32)
+    return a
+
+
+def vmm_producer(n: int) -> bytes:
+    """Keep ``n`` float32 of virtual memory here; the handle's bytes."""
+    import cupy_ipc
+
+    a = vmm_array(n)
+    _held.setdefault("vmm_arrays", []).append(a)
+    return cupy_ipc.get_ipc_handle(a).to_bytes()
+
+
+def torch_expandable_producer(n: int) -> dict[str, Any]:
+    """A tensor of PyTorch's expandable segments (the environment asks for them), exported."""
+    import torch
+
+    import cupy_ipc
+
+    t = torch.arange(n, dtype=torch.float32, device="cuda") * 2
+    torch.cuda.synchronize()
+    _held.setdefault("tensors", []).append(t)
+    h = cupy_ipc.get_ipc_handle(t)
+    return {"kind": h.kind, "data": h.to_bytes(), "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}

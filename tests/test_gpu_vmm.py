@@ -1,0 +1,117 @@
+"""Memory of CUDA's virtual memory API shared by file descriptor, on a GPU, between real processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+N = 1 << 20  # 4 MiB: two pieces of the minimum granularity on an H200 (2 MiB)
+EXPECTED = float(np.arange(N, dtype=np.float64).sum())
+
+
+def test_vmm_array_round_trips_as_bytes_and_over_a_unix_socket(remote):
+    import cupy_ipc
+    from workers import vmm_array
+
+    a = vmm_array(N)
+    h = cupy_ipc.get_ipc_handle(a)
+    assert h.kind == "vmm"
+    consumer = remote()
+    r = consumer.call("open_pool_bytes", h.to_bytes())  # any kind: the descriptor taken with pidfd_getfd
+    assert r["kind"] == "vmm" and r["sum"] == pytest.approx(EXPECTED, rel=1e-6)
+    assert float(a[0]) == -1  # the consumer's write landed here
+    a[0] = 0
+    ours, theirs = socket.socketpair()
+    with ours:
+        consumer.send("recv_pool_handle", theirs)
+        theirs.close()
+        cupy_ipc.send_handle(ours, cupy_ipc.get_ipc_handle(a))
+        r = consumer.result()
+    assert r["sum"] == pytest.approx(EXPECTED, rel=1e-6) and r["descriptor_came_along"]
+
+
+def test_vmm_arrays_through_cupy_ipc_multiprocessing():
+    import cupy_ipc.multiprocessing as mp
+    import workers
+
+    ctx = mp.get_context("spawn")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=workers.sum_from_queue, args=(q, out))
+    p.start()
+    try:
+        q.put(workers.vmm_array(N))
+        assert out.get(timeout=60)[0] == pytest.approx(EXPECTED, rel=1e-6)
+    finally:
+        q.put(None)
+        p.join(30)
+
+
+def test_consumer_keeps_reading_vmm_memory_after_the_producer_is_killed(remote):
+    import cupy_ipc
+
+    producer = remote()
+    h = cupy_ipc.IpcArrayHandle.from_bytes(producer.call("vmm_producer", N))
+    a = h.open()
+    total = float(a.sum())
+    assert total == pytest.approx(EXPECTED, rel=1e-6)
+    producer.kill()
+    time.sleep(0.5)
+    assert float(a.sum()) == total and float(a[7]) == 7.0
+    h.close()
+    del a
+
+
+def test_vmm_without_a_shareable_handle_type_is_refused_with_advice():
+    import cupy_ipc
+    from workers import vmm_array
+
+    with pytest.raises(cupy_ipc.IpcError, match="without a shareable handle type"):
+        cupy_ipc.get_ipc_handle(vmm_array(1024, shareable=False))
+
+
+def test_the_producer_closes_descriptors_of_freed_allocations(remote):
+    import cupy_ipc
+    from workers import vmm_array
+
+    consumer = remote()
+
+    def trips(n):
+        for _ in range(n):
+            a = vmm_array(4096)
+            assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())["sum"] == \
+                float(np.arange(4096).sum())
+            del a
+
+    def fds():
+        cupy_ipc.collect()
+        return len(os.listdir("/proc/self/fd")), consumer.call("open_fds")
+
+    trips(100)
+    mid = fds()
+    trips(200)
+    assert fds() == mid
+
+
+@pytest.fixture
+def expandable(monkeypatch):
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("PyTorch is not installed")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def test_pytorch_expandable_segments_tensor_is_read_by_a_cupy_consumer(expandable, remote):
+    import cupy_ipc
+
+    producer = remote()  # started with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    n = 1 << 18  # 1 MiB: inside one mapped piece of a segment
+    r = producer.call("torch_expandable_producer", n)
+    assert r["conf"] == "expandable_segments:True" and r["kind"] == "vmm"
+    with cupy_ipc.IpcArrayHandle.from_bytes(r["data"]) as a:
+        assert float(a.sum()) == pytest.approx(2 * float(np.arange(n).sum()), rel=1e-6) and float(a[3]) == 6.0
