@@ -31,11 +31,16 @@ consumer process per round, which serves all its sizes.
 Usage::
 
     python benchmarks/roundtrip.py --sizes 4KiB,1MiB,64MiB,1GiB --iters 1500 --json results.json
+
+``--profile`` runs each side's per-message work under ``cProfile`` and prints
+where the time goes, per method (timings are then not comparable).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import multiprocessing
 import os
@@ -63,6 +68,23 @@ def size_label(n: int) -> str:
     return f"{n} B"
 
 
+_PROFILE = "ROUNDTRIP_PROFILE"  # set: both sides profile their per-message work
+
+
+def _profiler() -> cProfile.Profile | None:
+    return cProfile.Profile() if os.environ.get(_PROFILE) else None
+
+
+def _print_profile(profiler: cProfile.Profile | None, title: str) -> None:
+    if profiler is None:
+        return
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    print(f"===== profile: {title} =====\n{out.getvalue()}", flush=True)
+
+
 # --- the consumer ---------------------------------------------------------------
 def consumer(method: str, inbox: Any, outbox: Any) -> None:
     import cupy
@@ -72,7 +94,10 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
     if method in ("mp", "pool", "vmm"):
         import cupy_ipc.multiprocessing  # noqa: F401 - results would travel by handle too
     mapped: dict[bytes, int] = {}
+    profiler = _profiler()
     while True:
+        if profiler is not None:  # before get(): arrays from a queue are opened while unpickled (the wait shows too)
+            profiler.enable()
         msg = inbox.get()
         if msg is None:
             break
@@ -104,7 +129,12 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
             arr = cupy.asarray(msg)
             value = float(arr[0])
             del arr
+        if profiler is not None:
+            profiler.disable()
         outbox.put(value)
+    if profiler is not None:
+        profiler.disable()
+    _print_profile(profiler, f"{method} consumer")
 
 
 # --- the producer -----------------------------------------------------------------
@@ -213,6 +243,7 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=consumer, args=(method, inbox, outbox), daemon=True)
     proc.start()
+    profiler = _profiler()
     try:
         for nbytes, resent, iters, warmup in cases:
             times: list[float] = []
@@ -221,10 +252,14 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
             for i in range(warmup + iters):
                 if not resent:
                     arr = _new_buffer(method, nbytes, 1)
+                if profiler is not None:
+                    profiler.enable()
                 t = time.perf_counter()
                 inbox.put(_message(method, arr, resent, cache))
                 value = receive(outbox, proc, 600, f"the {method} consumer")
                 elapsed = time.perf_counter() - t
+                if profiler is not None:
+                    profiler.disable()
                 if method != "bare" and value != 1.0:
                     raise RuntimeError(f"{method}: consumer read {value}, expected 1.0")
                 if i >= warmup:
@@ -235,6 +270,7 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
             arr = None
             _free(method)
             report((nbytes, method, resent), times)
+        _print_profile(profiler, f"{method} producer")
     finally:
         inbox.put(None)
         proc.join(10)
@@ -325,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--profile", action="store_true", help="profile both sides' per-message work")
     args = parser.parse_args(argv)
+    if args.profile:
+        os.environ[_PROFILE] = "1"  # the spawned consumers inherit it
 
     from cupy_ipc._cuda import unavailable_reason
 

@@ -44,6 +44,9 @@ PYTHONPATH="$SITE" timeout 330 $PY benchmarks/suite.py --watchdog 320 --methods 
     --out benchmarks/results 2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 mkdir -p "$OUT/results" && cp benchmarks/results/suite.* benchmarks/results/*.png "$OUT/results/" 2>/dev/null
+# Where a fresh message's time goes, each side (not timed: cProfile slows it).
+timeout 90 $PY benchmarks/roundtrip.py --methods raw,cupy_ipc --sizes 1MiB --iters 300 --rounds 1 --warmup 20 \
+    --profile > "$OUT/profile.log" 2>&1
 PYTHONPATH="$SITE" timeout 150 $PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
 nb_rc=$?
 
