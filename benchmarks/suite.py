@@ -8,8 +8,11 @@ Runs, on a GPU machine and in one go:
 2. event ping-pong between two processes (``events.py``);
 3. read bandwidth of a consumer on a mapped array against a local copy, and
    with two GPUs, peer reads (``bandwidth.py``);
-4. with two or more GPUs and PyTorch, ``all_gather`` latency under torchrun
-   against the hand-written ``reduce_tensor`` pattern (``all_gather.py``).
+4. with two or more GPUs, the cross-device open matrix: every GPU reading
+   every GPU's array, values checked, GB/s (``peer_matrix.py``);
+5. with two or more GPUs and PyTorch, ``all_gather`` latency under torchrun
+   for 2, 4 and 8 ranks (as many as there are GPUs) against the hand-written
+   ``reduce_tensor`` pattern (``all_gather.py``).
 
 It prints progress, then writes ``suite.json``, ``suite.md`` and
 ``roundtrip.png`` (latency against size, log axes, one line per method) to
@@ -35,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bandwidth  # noqa: E402 - the benchmark modules sit next to this script
 import events  # noqa: E402
+import peer_matrix  # noqa: E402
 import plots  # noqa: E402
 import roundtrip  # noqa: E402
 
@@ -68,15 +72,19 @@ def markdown(doc: dict[str, Any]) -> str:
         elif "peer_error" in b:
             out.append(f"| peer read | failed: {b['peer_error']} |")
         out.append("")
+    if "peer_matrix" in doc:
+        out += ["### Cross-device opens: every GPU reading every GPU's array", "",
+                peer_matrix.markdown(doc["peer_matrix"])]
     if "all_gather" in doc:
-        g = doc["all_gather"]
-        m = g["median_us"]
-        out += [f"### all_gather of {g['ranks']} ranks ({g['bytes'] >> 10} KiB each, torchrun, gloo)", "",
-                "| way | median µs | ÷ cupy_ipc |", "|---|---:|---:|",
-                f"| cupy_ipc.all_gather | {m['cupy_ipc']:.0f} | 1.00 |",
-                f"| reduce_tensor + all_gather_object + rebuild | {m['torch']:.0f} "
-                f"| {m['torch'] / m['cupy_ipc']:.2f} |",
-                f"| the barrier both include | {m['barrier']:.0f} | |", ""]
+        runs = doc["all_gather"]
+        out += [f"### all_gather ({runs[0]['bytes'] >> 10} KiB per rank, one rank per GPU, torchrun, gloo), median µs",
+                "", "| ranks | cupy_ipc.all_gather | reduce_tensor + all_gather_object + rebuild | ÷ cupy_ipc "
+                "| the barrier both include |", "|---:|---:|---:|---:|---:|"]
+        for g in runs:
+            m = g["median_us"]
+            out.append(f"| {g['ranks']} | {m['cupy_ipc']:.0f} | {m['torch']:.0f} | {m['torch'] / m['cupy_ipc']:.2f} "
+                       f"| {m['barrier']:.0f} |")
+        out.append("")
     for step, error in doc.get("errors", {}).items():
         out.append(f"**{step} failed:** {error}")
     return "\n".join(out) + "\n"
@@ -106,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pingpong-iters", type=int, default=2000)
     parser.add_argument("--bandwidth-bytes", default="1GiB")
     parser.add_argument("--all-gather-iters", type=int, default=100, help="on 2 or more GPUs, with PyTorch")
+    parser.add_argument("--peer-bytes", default="256MiB", help="array size of the cross-device matrix")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--watchdog", type=float, default=0,
                         help="after this many seconds, print every thread's stack and exit (0: never)")
@@ -133,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         ("events", lambda: events.run(args.pingpong_iters, max(1, args.pingpong_iters // 10))),
         ("bandwidth", lambda: bandwidth.run(roundtrip.parse_size(args.bandwidth_bytes))),
     ]
+    if env["gpus"] > 1:
+        steps.append(("peer_matrix", lambda: peer_matrix.run(roundtrip.parse_size(args.peer_bytes))))
     if env["gpus"] > 1 and importlib.util.find_spec("torch") is not None:
-        steps.append(("all_gather", lambda: all_gather_run(env["gpus"], args.all_gather_iters)))
+        counts = [n for n in (2, 4, 8) if n <= env["gpus"]]
+        steps.append(("all_gather", lambda: [all_gather_run(n, args.all_gather_iters) for n in counts]))
     for i, (name, step) in enumerate(steps, 1):
         t = time.perf_counter()
         print(f"[{i}/{len(steps)}] {name} ...", flush=True)

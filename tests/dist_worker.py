@@ -1,12 +1,15 @@
 """One rank of the all_gather checks, started by torchrun or mpirun (not collected by pytest).
 
-    torchrun --standalone --nproc-per-node 2 tests/dist_worker.py torch gloo|nccl [--early-exit]
-    mpirun -n 2 python tests/dist_worker.py mpi
+    torchrun --standalone --nproc-per-node N tests/dist_worker.py torch gloo|nccl [--early-exit|--exit-in-turn]
+    mpirun -n N python tests/dist_worker.py mpi
 
 Each rank writes its rank number into its buffer, gathers, and checks every
 rank's buffer. With ``--early-exit`` rank 1 leaves right after the gather,
 without closing; rank 0 still reads rank 1's buffer, closes, and checks that
-its own export is released.
+its own export is released. With ``--exit-in-turn`` ranks N-1, N-2, ..., 1
+leave one after another, half a second apart, without closing; each rank
+still there reads every buffer between departures, and rank 0, last, closes
+and checks that its export is released.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ def main() -> None:
 
     import cupy_ipc
 
-    engine, early = sys.argv[1], "--early-exit" in sys.argv
+    engine, early, in_turn = sys.argv[1], "--early-exit" in sys.argv, "--exit-in-turn" in sys.argv
     ngpu = cupy.cuda.runtime.getDeviceCount()
     if engine == "torch":
         import torch
@@ -49,6 +52,23 @@ def main() -> None:
         info = cupy_ipc.open_info(b)
         seen.append("self" if r == rank else f"GPU {info.memory_device} mapped on GPU {info.device}")
     print(f"RANK {rank} OK on GPU {device}: {seen} local ranks {cupy_ipc.node_local_ranks(group)}", flush=True)
+    if in_turn:
+        size = len(gathered)
+        for step in range(1, size):  # before step k, ranks size-1 .. size-k+1 have left
+            if rank == size - step:
+                os._exit(0)  # gone without closing: its claims die with it
+            time.sleep(0.5)
+            for r, b in enumerate(gathered):  # every buffer, the departed ranks' too, stays readable while mapped
+                assert (b.get() == r).all(), f"rank {rank} read wrong values from rank {r} after {step} left"
+        assert rank == 0
+        gathered.close()
+        deadline = time.monotonic() + 10
+        while cupy_ipc.pinned() and time.monotonic() < deadline:
+            cupy_ipc.collect()
+            time.sleep(0.05)
+        assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+        print(f"RANK {rank} EXIT-IN-TURN OK after {size - 1} ranks left", flush=True)
+        os._exit(0)
     if early:
         if rank == 1:
             os._exit(0)  # gone without closing: its claims on rank 0's memory die with it

@@ -39,8 +39,14 @@ def test_markdown_reports_each_part():
         "bandwidth": {"mapped_gbps": 4000.0, "local_gbps": 4040.0, "mapped_over_local": 0.99},
         "errors": {"x": "boom"},
     }
+    doc["peer_matrix"] = [[{"gbps": 4000.0, "values_ok": True}, {"gbps": 390.0, "values_ok": True}],
+                          [{"error": "no peer"}, {"gbps": 4100.0, "values_ok": True}]]
+    doc["all_gather"] = [{"ranks": 2, "bytes": 1 << 20, "median_us": {"cupy_ipc": 1300.0, "torch": 1360.0,
+                                                                       "barrier": 90.0}}]
     text = suite.markdown(doc)
     assert "| 4 KiB | re-sent | 2.00 |" in text  # cupy_ipc ÷ raw
+    assert "| GPU 0 | 4000 GB/s | 390 GB/s |" in text and "| GPU 1 | no peer access | 4100 GB/s |" in text
+    assert "| 2 | 1300 | 1360 | 1.05 | 90 |" in text
     assert "| cupy_ipc.IpcEvent | 70.0 |" in text and "99.0% (target ≥ 98%)" in text and "**x failed:** boom" in text
 
 
@@ -49,7 +55,7 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     r = subprocess.run(
         [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
          "--methods", "bare,raw,cupy_ipc,mp,pool,vmm", "--pingpong-iters", "20", "--bandwidth-bytes", "16MiB",
-         "--all-gather-iters", "5", "--out", str(tmp_path), "--watchdog", "150"],
+         "--all-gather-iters", "5", "--peer-bytes", "4MiB", "--out", str(tmp_path), "--watchdog", "150"],
         capture_output=True, text=True, timeout=200,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -60,8 +66,13 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
         ("mp", True), ("pool", False), ("pool", True), ("vmm", False), ("vmm", True)}
     assert doc["events"]["event"]["median_us"] > 0 and doc["events"]["raw"]["median_us"] > 0
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
+    if doc["environment"]["gpus"] > 1:
+        n = doc["environment"]["gpus"]
+        assert all(c["values_ok"] for row in doc["peer_matrix"] for c in row if "error" not in c)
+        assert len(doc["peer_matrix"]) == n
     if doc["environment"]["gpus"] > 1 and "torch" in doc["environment"]:
-        assert doc["all_gather"]["median_us"]["cupy_ipc"] > 0
+        assert [g["ranks"] for g in doc["all_gather"]] == [k for k in (2, 4, 8) if k <= n]
+        assert all(g["median_us"]["cupy_ipc"] > 0 for g in doc["all_gather"])
     assert (tmp_path / "suite.md").read_text().startswith("Machine:")
     assert re.search(r"\[1/\d\] roundtrip", r.stdout)  # progress
 

@@ -80,18 +80,28 @@ def _run(cmd, env=None):
     return r, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("backend,early_exit", [("gloo", False), ("nccl", False), ("gloo", True)],
-                         ids=["gloo", "nccl", "gloo-rank-1-exits-early"])
-def test_all_gather_under_torchrun(backend, early_exit):
+def _ranks() -> int:
+    from conftest import gpu_count
+
+    return gpu_count()  # one rank per GPU
+
+
+@pytest.mark.parametrize("backend,mode", [("gloo", None), ("nccl", None), ("gloo", "--early-exit"),
+                                          ("gloo", "--exit-in-turn")],
+                         ids=["gloo", "nccl", "gloo-rank-1-exits-early", "gloo-ranks-exit-in-turn"])
+def test_all_gather_under_torchrun(backend, mode):
     if importlib.util.find_spec("torch") is None:
         pytest.skip("PyTorch is not installed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, "torch",
-           backend] + (["--early-exit"] if early_exit else [])
+    n = _ranks()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), WORKER, "torch",
+           backend] + ([mode] if mode else [])
     r, out = _run(cmd)
     assert r.returncode == 0, out[-4000:]
-    assert "RANK 0 OK" in out and "RANK 1 OK" in out and "mapped on GPU" in out, out[-4000:]
-    if early_exit:
+    assert all(f"RANK {k} OK" in out for k in range(n)) and "mapped on GPU" in out, out[-4000:]
+    if mode == "--early-exit":
         assert "RANK 0 EARLY-EXIT OK" in out, out[-4000:]
+    if mode == "--exit-in-turn":
+        assert f"RANK 0 EXIT-IN-TURN OK after {n - 1} ranks left" in out, out[-4000:]
 
 
 def test_all_gather_under_mpi():
@@ -100,6 +110,7 @@ def test_all_gather_under_mpi():
     if launcher is None or importlib.util.find_spec("mpi4py") is None:
         pytest.skip(f"no MPI launcher (mpirun/mpiexec) on PATH, or no mpi4py: launcher={launcher}")
     env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    r, out = _run([launcher, "-n", "2", sys.executable, WORKER, "mpi"], env)
+    n = _ranks()
+    r, out = _run([launcher, "-n", str(n), sys.executable, WORKER, "mpi"], env)
     assert r.returncode == 0, out[-4000:]
-    assert "RANK 0 OK" in out and "RANK 1 OK" in out, out[-4000:]
+    assert all(f"RANK {k} OK" in out for k in range(n)), out[-4000:]
