@@ -10,11 +10,10 @@ GPU 1 reading its own memory.
 
 from __future__ import annotations
 
-import multiprocessing
 import statistics
 from typing import Any
 
-from roundtrip import receive
+from roundtrip import in_consumer
 
 READ_SOURCE = r"""
 extern "C" __global__ void read(const float4* x, unsigned long long n4, float* partial) {
@@ -122,19 +121,7 @@ def run(nbytes: int = 1 << 30, reps: int = 20) -> dict[str, Any]:
 
     a = cupy.ones(nbytes // 4, cupy.float32)
     cupy.cuda.runtime.deviceSynchronize()
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(cupy_ipc.get_ipc_handle(a).to_bytes(), reps, child), daemon=True)
-    proc.start()
-    child.close()  # so that a consumer that dies ends our wait
-    try:
-        status, out = receive(conn, proc, 600, "the bandwidth consumer")
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-    if status == "err":
-        raise RuntimeError(out)
+    out = in_consumer(_consumer, (cupy_ipc.get_ipc_handle(a).to_bytes(), reps), 600, "the bandwidth consumer")
     out["bytes"] = nbytes
     out["mapped_over_local"] = out["mapped_gbps"] / out["local_gbps"]
     if "peer_gbps" in out:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bandwidth import _read_gbps  # noqa: E402 - the benchmark modules sit next to this script
-from roundtrip import parse_size, receive  # noqa: E402
+from roundtrip import in_consumer, parse_size  # noqa: E402
 
 
 def _consumer(handles: list[bytes], reps: int, conn: Any) -> None:
@@ -63,22 +62,11 @@ def run(nbytes: int = 256 << 20, reps: int = 10) -> list[list[Any]]:
             cupy.cuda.get_current_stream().synchronize()
             arrays.append(a)
             handles.append(cupy_ipc.get_ipc_handle(a, consumers=n).to_bytes())
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_consumer, args=(handles, reps, child), daemon=True)
-    proc.start()
-    child.close()  # so that a consumer that dies ends our wait
     try:
-        status, out = receive(conn, proc, 900, "the peer-matrix consumer")
+        return in_consumer(_consumer, (handles, reps), 900, "the peer-matrix consumer")
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
         for data in handles:  # each allowed n opens; end the pins now
             cupy_ipc.IpcArrayHandle.from_bytes(data).release()
-    if status == "err":
-        raise RuntimeError(out)
-    return out
 
 
 def markdown(cells: list[list[Any]]) -> str:

@@ -225,6 +225,25 @@ def receive(source: Any, proc: Any, timeout: float, who: str) -> Any:
             raise TimeoutError(f"{who} (pid {proc.pid}) did not answer within {timeout:.0f} s")
 
 
+def in_consumer(target: Any, args: tuple[Any, ...], timeout: float, who: str) -> Any:
+    """Run ``target(*args, conn)`` in a spawned process that answers ``("ok", value)`` or ``("err", text)``
+    on ``conn``; its value, or ``RuntimeError``."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, child), daemon=True)
+    proc.start()
+    child.close()  # so that a consumer that dies ends our wait
+    try:
+        status, out = receive(conn, proc, timeout, who)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    if status == "err":
+        raise RuntimeError(out)
+    return out
+
+
 def _context(method: str) -> Any:
     if method == "torch":
         import torch.multiprocessing as tmp

@@ -19,6 +19,18 @@ import sys
 import time
 
 
+def _close_and_check_released(gathered) -> None:
+    """Close the mappings; this rank's export must be released (the departed ranks' claims died with them)."""
+    import cupy_ipc
+
+    gathered.close()
+    deadline = time.monotonic() + 10
+    while cupy_ipc.pinned() and time.monotonic() < deadline:
+        cupy_ipc.collect()
+        time.sleep(0.05)
+    assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+
+
 def main() -> None:
     import cupy
 
@@ -61,12 +73,7 @@ def main() -> None:
             for r, b in enumerate(gathered):  # every buffer, the departed ranks' too, stays readable while mapped
                 assert (b.get() == r).all(), f"rank {rank} read wrong values from rank {r} after {step} left"
         assert rank == 0
-        gathered.close()
-        deadline = time.monotonic() + 10
-        while cupy_ipc.pinned() and time.monotonic() < deadline:
-            cupy_ipc.collect()
-            time.sleep(0.05)
-        assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+        _close_and_check_released(gathered)
         print(f"RANK {rank} EXIT-IN-TURN OK after {size - 1} ranks left", flush=True)
         os._exit(0)
     if early:
@@ -74,12 +81,7 @@ def main() -> None:
             os._exit(0)  # gone without closing: its claims on rank 0's memory die with it
         time.sleep(2)
         assert (gathered[1].get() == 1).all(), "rank 1's buffer must stay readable while mapped"
-        gathered.close()
-        deadline = time.monotonic() + 10
-        while cupy_ipc.pinned() and time.monotonic() < deadline:
-            cupy_ipc.collect()
-            time.sleep(0.05)
-        assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+        _close_and_check_released(gathered)
         print(f"RANK {rank} EARLY-EXIT OK", flush=True)
         os._exit(0)  # the group lost a member: no barrier or teardown
     gathered.close()
