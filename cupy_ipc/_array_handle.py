@@ -148,7 +148,7 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
     # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
     device = owner.memory_device if isinstance(owner, _mapping.Lease) else arr.data.device_id
     lease = _received_lease(owner)
-    kind, fd, resource = Kind.LEGACY, -1, 0
+    kind, fd, resource, more = Kind.LEGACY, -1, 0, ()
     if lease is not None:
         if lease.mapping_key[1] != Kind.LEGACY:
             raise IpcError("an array this process received by file descriptor cannot be passed on yet: send the "
@@ -171,15 +171,15 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
                 _exported.clear()
             _exported[memory_handle] = (base, info.buffer_id)
         elif _vmm.is_vmm(base):
+            # Virtual memory is mapped piece by piece (PyTorch's expandable
+            # segments): share every piece the array reaches.
             _vmm.sweep()
-            _, hi = byte_extent(arr.shape, arr.strides, dtype.itemsize)
-            if arr.data.ptr - base + hi > size:
-                raise IpcError(
-                    f"this array reaches past the {size}-byte piece of virtual memory its first element lies in "
-                    "(memory of CUDA's virtual memory API, mapped piece by piece as PyTorch's expandable segments "
-                    "do): cupy_ipc shares arrays that lie inside one piece; copy it into one array first"
-                )
-            fd, resource = _vmm.export(base, info.buffer_id)
+            lo, hi = byte_extent(arr.shape, arr.strides, dtype.itemsize)
+            pieces = _vmm.export_pieces(arr.data.ptr + lo, arr.data.ptr + hi)
+            base, size = pieces[0][0], sum(p[1] for p in pieces)
+            info = info._replace(buffer_id=pieces[0][4])
+            fd, resource = pieces[0][2], pieces[0][3]
+            more = tuple((p[2], p[1]) for p in pieces[1:])
             memory_handle, kind = _NO_HANDLE, Kind.VMM
         else:
             raise IpcError(
@@ -190,7 +190,7 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
     fields = ArrayFields(
         kind, 0, dtype, memory_handle, arr.data.ptr - base, size, base, info.buffer_id,
         DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides,
-        fd, resource,
+        fd, resource, more,
     )
     validate_layout(fields)  # every other field comes from the driver and this process
     static = pack_array(fields)
@@ -384,11 +384,12 @@ class IpcArrayHandle:
         kind: int = Kind.LEGACY,
         fd: int = -1,
         resource: int = 0,
+        more: Iterable[tuple[int, int]] = (),
     ) -> None:
         fields = ArrayFields(
             int(kind), 0, dtype_of(dtype), bytes(memory_handle), int(offset), int(allocation_size), 0, 0,
             DeviceId(*device), Producer(*producer), 0, 0, _NO_HANDLE, tuple(int(n) for n in shape),
-            tuple(int(s) for s in strides), int(fd), int(resource),
+            tuple(int(s) for s in strides), int(fd), int(resource), tuple((int(a), int(b)) for a, b in more),
         )
         validate_array(fields)
         object.__setattr__(self, "_f", fields)
@@ -405,43 +406,50 @@ class IpcArrayHandle:
         object.__setattr__(h, "_fd", None)
         return h
 
-    # --- the descriptor of memory shared by file descriptor ------------------
+    # --- the descriptors of memory shared by file descriptor ----------------
+    def _wanted(self) -> int:
+        """How many descriptors come with this handle: the pool's, or one per piece of virtual memory."""
+        f = self._f
+        return 0 if f.kind not in Kind.BY_DESCRIPTOR else 1 + len(f.more)
+
     def _adopt_descriptors(self, fds: list[int]) -> None:
-        """Keep the descriptor that came with this handle (``SCM_RIGHTS``); close any other."""
-        keep = fds[0] if fds and self._f.kind in Kind.BY_DESCRIPTOR else None
-        for fd in fds:
-            if fd != keep:
+        """Keep the descriptors that came with this handle (``SCM_RIGHTS``) if they are all there; close the rest."""
+        keep = tuple(fds) if fds and len(fds) == self._wanted() else None
+        if keep is None:
+            for fd in fds:
                 os.close(fd)
-        if self._fd is not None:
-            os.close(self._fd)
+        self._close_fds()
         object.__setattr__(self, "_fd", keep)
 
-    def _take_fd(self) -> int | None:
-        """The descriptor that came with this handle, now the caller's to close; ``None`` if none did."""
-        fd = self._fd
+    def _take_fds(self) -> tuple[int, ...] | None:
+        """The descriptors that came with this handle, now the caller's to close; ``None`` if none did."""
+        fds = self._fd
         object.__setattr__(self, "_fd", None)
-        return fd
+        return fds
 
     def _descriptors(self) -> list[int]:
-        """The descriptors to send with this handle: this process's own of the memory's pool, if any."""
+        """The descriptors to send with this handle: this process's own of the memory's pool or pieces, if any."""
         f = self._f
         if f.kind not in Kind.BY_DESCRIPTOR:
             return []
         if f.producer.token == this_process().token:
-            fd = (_pools if f.kind == Kind.POOL else _vmm).producer_fd(f.resource)
-        else:
-            fd = _pools.received_fd(f.producer.token, f.resource) if f.kind == Kind.POOL else None
-            if fd is None:
-                fd = self._fd
-        return [] if fd is None else [fd]
+            if f.kind == Kind.VMM:  # our own descriptors, open while the export lives
+                return [f.fd] + [fd for fd, _ in f.more]
+            fd = _pools.producer_fd(f.resource)
+            return [] if fd is None else [fd]
+        if f.kind == Kind.POOL and (fd := _pools.received_fd(f.producer.token, f.resource)) is not None:
+            return [fd]
+        return list(self._fd or ())
 
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
+    def _close_fds(self) -> None:
+        for fd in getattr(self, "_fd", None) or ():
             try:
                 os.close(fd)
             except OSError:
                 pass
+
+    def __del__(self) -> None:
+        self._close_fds()
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("IpcArrayHandle is immutable")
@@ -597,16 +605,17 @@ class IpcArrayHandle:
         elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
             key = (map_device, f.kind, f.producer.token, f.buffer_id)
         elif f.kind == Kind.VMM:
-            key = (map_device, f.kind, f.producer.token, f.resource)
+            key = (map_device, f.kind, f.producer.token, f.resource, f.allocation_size)
         else:
             key = (map_device, f.kind, f.memory_handle)
         importer = None
         if f.kind == Kind.POOL and own_ptr is None:
-            importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fd()), _pools.free_imported)
+            importer = (lambda: _pools.import_pointer(f, map_device, home, (self._take_fds() or (None,))[0]),
+                        _pools.free_imported)
         elif f.kind == Kind.VMM and own_ptr is None:
-            importer = (lambda: _vmm.import_mapping(f.producer.pid, f.fd, f.allocation_size, map_device,
-                                                    self._take_fd()),
-                        lambda ptr: _vmm.unmap(ptr, f.allocation_size))
+            pieces = _vmm.pieces_of(f)
+            importer = (lambda: _vmm.import_mapping(f.producer.pid, pieces, map_device, self._take_fds()),
+                        lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]))
         with _cuda.using_device(map_device):
             ptr, lease = _mapping.acquire(
                 key=key, device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,

@@ -26,7 +26,8 @@ __all__ = ["allow_ptrace_from_any", "ptrace_scope", "recv_handle", "send_handle"
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture Linux has
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
-_LENGTH = struct.Struct("<I")
+_HEAD = struct.Struct("<II")  # handle bytes, descriptors
+_FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 
 
 def _libc() -> Any:
@@ -138,7 +139,7 @@ def allow_ptrace_from_any() -> None:
 def send_handle(sock: socket.socket, handle: Any) -> None:
     """Send an :class:`IpcArrayHandle` (or event handle) over an ``AF_UNIX`` socket, descriptors included.
 
-    The descriptor behind memory shared by descriptor travels as
+    The descriptors behind memory shared by descriptor travel as
     ``SCM_RIGHTS``, so the receiver needs no ptrace permission. Handles of
     legacy memory travel as their bytes alone.
 
@@ -151,7 +152,9 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
         raise IpcError(f"send_handle needs an AF_UNIX socket, not {sock.family!r}")
     data = handle.to_bytes()
     fds = handle._descriptors() if hasattr(handle, "_descriptors") else []
-    socket.send_fds(sock, [_LENGTH.pack(len(data)), data], fds)
+    socket.send_fds(sock, [_HEAD.pack(len(data), len(fds)), data], fds[:_FDS_PER_MESSAGE])
+    for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # the kernel passes at most 253 per message
+        socket.send_fds(sock, [b"+"], fds[k:k + _FDS_PER_MESSAGE])
 
 
 def recv_handle(sock: socket.socket) -> Any:
@@ -160,18 +163,23 @@ def recv_handle(sock: socket.socket) -> Any:
     from ._events import IpcEventHandle
     from ._wire import ARRAY_MAGIC
 
-    head, fds, _, _ = socket.recv_fds(sock, _LENGTH.size, 8)
+    head, fds, _, _ = socket.recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)
     try:
-        if len(head) != _LENGTH.size:
+        if len(head) != _HEAD.size:
             raise IpcError("the peer closed the socket before sending a handle")
-        (n,) = _LENGTH.unpack(head)
+        n, nfds = _HEAD.unpack(head)
         data = b""
         while len(data) < n:
-            chunk, more, _, _ = socket.recv_fds(sock, n - len(data), 8)
+            chunk, more, _, _ = socket.recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
             fds += more
             if not chunk:
                 raise IpcError("the peer closed the socket in the middle of a handle")
             data += chunk
+        while len(fds) < nfds:
+            marker, more, _, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+            if not marker:
+                raise IpcError("the peer closed the socket before sending all descriptors")
+            fds += more
         if data[:4] == ARRAY_MAGIC:
             h = IpcArrayHandle.from_bytes(data)
             h._adopt_descriptors(fds)

@@ -21,8 +21,10 @@ from typing import Any
 
 from . import _cuda
 from ._errors import IpcError
+from ._wire import MAX_PIECES
 
-__all__ = ["allocate", "export", "import_mapping", "is_vmm", "producer_fd", "sweep", "unmap"]
+__all__ = ["allocate", "export", "export_pieces", "import_mapping", "is_vmm", "pieces_of", "producer_fd", "sweep",
+           "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -105,53 +107,108 @@ def sweep() -> int:
     return len(gone)
 
 
-def import_mapping(pid: int, fd_number: int, size: int, device: int, given_fd: int | None) -> int:
-    """Import the producer's allocation and map its ``size`` bytes for ``device``; the mapped address."""
+def export_pieces(lo: int, hi: int) -> list[tuple[int, int, int, int, int]]:
+    """Export every mapped piece covering addresses ``[lo, hi)``: ``(base, size, descriptor, id, buffer id)`` each."""
+    pieces = []
+    at = lo
+    while at < hi:
+        try:
+            base, size = _cuda.address_range(at)
+        except IpcError as e:
+            raise IpcError(f"the array reaches 0x{at:x}, where no virtual memory is mapped") from e
+        buffer_id = _cuda.pointer_info(base).buffer_id
+        fd, alloc_id = export(base, buffer_id)
+        pieces.append((base, size, fd, alloc_id, buffer_id))
+        at = base + size
+    if len(pieces) > MAX_PIECES + 1:
+        raise IpcError(f"the array spans {len(pieces)} pieces of virtual memory; at most {MAX_PIECES + 1} can be "
+                       "shared: copy it into one array first")
+    return pieces
+
+
+def pieces_of(f: Any) -> list[tuple[int, int]]:
+    """``(descriptor number in the producer, size)`` of each piece of handle fields ``f``, in address order."""
+    first = f.allocation_size - sum(size for _, size in f.more)
+    return [(f.fd, first), *f.more]
+
+
+def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: tuple[int, ...] | None) -> int:
+    """Import the producer's pieces and map them, in order, at new addresses for ``device``; the first address.
+
+    ``given``: the pieces' descriptors, received with the handle; else each is taken from the producer.
+    """
     from cupy.cuda import runtime
 
     from ._descriptors import take_fd
 
     driver = _driver()
     runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
-    fd = given_fd if given_fd is not None else take_fd(pid, fd_number)
+    fds = list(given) if given is not None else []
+    handles: list[tuple[Any, int]] = []
     try:
-        err, handle = driver.cuMemImportFromShareableHandle(fd, _cuda.posix_fd())
-        _cuda.check("importing the producer's allocation", err)
-    finally:
-        os.close(fd)  # the imported handle holds the memory
-    return _map_and_release(handle, size, device)
+        for k, (number, size) in enumerate(pieces):
+            fd = fds[k] if k < len(fds) else take_fd(pid, number)
+            try:
+                err, handle = driver.cuMemImportFromShareableHandle(fd, _cuda.posix_fd())
+                _cuda.check("importing the producer's allocation", err)
+            finally:
+                os.close(fd)  # the imported handle holds the memory
+                if k < len(fds):
+                    fds[k] = -1
+            handles.append((handle, size))
+    except BaseException:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+        for handle, _ in handles:
+            driver.cuMemRelease(handle)
+        raise
+    return _map_and_release(handles, device)
 
 
-def _map_and_release(handle: Any, size: int, device: int) -> int:
-    """Map allocation ``handle`` at new addresses, readable and writable by ``device``; the handle is released
-    (the mapping holds the memory). Returns the address."""
+def _map_and_release(handles: list[tuple[Any, int]], device: int) -> int:
+    """Map allocations ``(handle, size)``, in order, at new contiguous addresses readable and writable by
+    ``device``; the handles are released (the mappings hold the memory). Returns the first address."""
     driver = _driver()
+    total = sum(size for _, size in handles)
     ptr = 0
+    mapped: list[int] = []
     try:
-        err, ptr = driver.cuMemAddressReserve(size, 0, 0, 0)
+        err, ptr = driver.cuMemAddressReserve(total, 0, 0, 0)
         _cuda.check("reserving addresses for the mapping", err)
         ptr = int(ptr)
-        (err,) = driver.cuMemMap(ptr, size, 0, handle, 0)
-        _cuda.check("mapping the allocation", err)
-        (err,) = driver.cuMemSetAccess(ptr, size, [_cuda.access_desc(device)], 1)
+        for handle, size in handles:
+            (err,) = driver.cuMemMap(ptr + sum(mapped), size, 0, handle, 0)
+            _cuda.check("mapping the allocation", err)
+            mapped.append(size)
+        (err,) = driver.cuMemSetAccess(ptr, total, [_cuda.access_desc(device)], 1)
         _cuda.check(f"giving GPU {device} access to the mapping", err)
     except BaseException:
         if ptr:
-            driver.cuMemUnmap(ptr, size)
-            driver.cuMemAddressFree(ptr, size)
+            _unmap(ptr, mapped, total)
         raise
     finally:
-        driver.cuMemRelease(handle)
+        for handle, _ in handles:
+            driver.cuMemRelease(handle)
     return ptr
 
 
-def unmap(ptr: int, size: int) -> None:
-    """Undo :func:`import_mapping`."""
+def _unmap(ptr: int, sizes: list[int], total: int) -> list[Any]:
     driver = _driver()
-    (err,) = driver.cuMemUnmap(ptr, size)
-    _cuda.check("unmapping the producer's allocation", err)
-    (err,) = driver.cuMemAddressFree(ptr, size)
-    _cuda.check("freeing the mapping's addresses", err)
+    errors = []
+    offset = 0
+    for size in sizes:
+        (err,) = driver.cuMemUnmap(ptr + offset, size)
+        errors.append(err)
+        offset += size
+    (err,) = driver.cuMemAddressFree(ptr, total)
+    return [*errors, err]
+
+
+def unmap(ptr: int, sizes: list[int]) -> None:
+    """Undo :func:`import_mapping` (or a mapping of :func:`allocate`): unmap each piece, free the addresses."""
+    for err in _unmap(ptr, sizes, sum(sizes)):
+        _cuda.check("unmapping the producer's allocation", err)
 
 
 def forget() -> None:
@@ -163,19 +220,20 @@ def forget() -> None:
 class _Owner:
     """Unmaps an allocation made by :func:`allocate` once no array uses it."""
 
-    def __init__(self, ptr: int, size: int) -> None:
-        self.ptr, self.size = ptr, size
+    def __init__(self, ptr: int, sizes: list[int]) -> None:
+        self.ptr, self.sizes = ptr, sizes
 
     def __del__(self) -> None:
         try:
-            unmap(self.ptr, self.size)
+            unmap(self.ptr, self.sizes)
         except Exception:  # noqa: BLE001 - a destructor; the driver frees everything at exit
             pass
 
 
-def allocate(nbytes: int, shareable: bool = True) -> Any:
+def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
     """A ``cupy.cuda.MemoryPointer`` to ``nbytes`` (rounded up to the granularity) of virtual memory on the
-    current GPU, created with a POSIX file-descriptor handle type (unless not ``shareable``).
+    current GPU, created with a POSIX file-descriptor handle type (unless not ``shareable``), as ``pieces``
+    allocations mapped one after another (as PyTorch's expandable segments map theirs).
 
     Usable as a CuPy allocator: ``cupy.cuda.using_allocator(allocate)``.
     """
@@ -194,9 +252,19 @@ def allocate(nbytes: int, shareable: bool = True) -> Any:
     err, granularity = driver.cuMemGetAllocationGranularity(
         prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
     _cuda.check("reading the allocation granularity", err)
-    size = max(1, -(-nbytes // int(granularity))) * int(granularity)
-    err, handle = driver.cuMemCreate(size, prop, 0)
-    _cuda.check("creating virtual memory", err)
-    ptr = _map_and_release(handle, size, device)
-    mem = cupy.cuda.UnownedMemory(ptr, size, _Owner(ptr, size), device)
+    g = int(granularity)
+    size = max(1, -(-nbytes // (g * pieces))) * g  # per piece
+    handles = []
+    try:
+        for _ in range(pieces):
+            err, handle = driver.cuMemCreate(size, prop, 0)
+            _cuda.check("creating virtual memory", err)
+            handles.append((handle, size))
+    except BaseException:
+        for handle, _ in handles:
+            driver.cuMemRelease(handle)
+        raise
+    ptr = _map_and_release(handles, device)
+    sizes = [size] * pieces
+    mem = cupy.cuda.UnownedMemory(ptr, size * pieces, _Owner(ptr, sizes), device)
     return cupy.cuda.MemoryPointer(mem, 0)

@@ -67,9 +67,12 @@ _FLAGS = FLAG_KEEPALIVE | FLAG_EVENT
 _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 31), (0, 1 << 32)
 _HOST_BYTES = 32
 # After the extents and strides of a kind shared by descriptor: the descriptor's
-# number in the producer, 4 reserved bytes, and the producer's id for what it
-# names (an allocation or a pool), so that a consumer imports each pool once.
+# number in the producer, how many more pieces follow (virtual memory mapped
+# piece by piece; 0 otherwise), and the producer's id for what it names (an
+# allocation or a pool), so that a consumer imports each pool once. Each further
+# piece: its descriptor's number, 0, its size in bytes.
 _DESCRIPTOR = struct.Struct("<iIQ")
+MAX_PIECES = 4096
 ARRAY_HEADER = _ARRAY.size
 EVENT_RECORD = _EVENT.size
 
@@ -113,6 +116,7 @@ class ArrayFields(NamedTuple):
     strides: tuple[int, ...]
     fd: int = -1  # kinds shared by descriptor: the descriptor's number in the producer
     resource: int = 0  # and the producer's id for the allocation or pool it names
+    more: tuple[tuple[int, int], ...] = ()  # virtual memory: (descriptor, size) of each further piece
 
 
 class EventFields(NamedTuple):
@@ -193,6 +197,9 @@ def validate_array(f: ArrayFields) -> None:
     _in_range("slot", f.slot, _U32)
     _in_range("descriptor", f.fd, _I32)
     _in_range("resource id", f.resource, _U64)
+    for fd, size in f.more:
+        _in_range("descriptor", fd, _I32)
+        _in_range("piece size", size, _U64)
     for n in f.shape:
         _in_range("extent", n, _I64)
     for s in f.strides:
@@ -218,6 +225,13 @@ def validate_layout(f: ArrayFields) -> None:
         raise HandleError(f"shape {f.shape} has no elements, so the handle kind must be empty")
     if f.kind in Kind.BY_DESCRIPTOR and (f.fd < 0 or f.resource == 0):
         raise HandleError(f"a {Kind.names[f.kind]} handle needs the producer's descriptor and resource id")
+    if f.more:
+        if f.kind != Kind.VMM:
+            raise HandleError(f"only virtual memory comes in pieces, not a {Kind.names[f.kind]} allocation")
+        if len(f.more) > MAX_PIECES:
+            raise HandleError(f"{len(f.more) + 1} pieces; at most {MAX_PIECES + 1} are allowed")
+        if any(fd < 0 or size <= 0 for fd, size in f.more) or sum(size for _, size in f.more) >= f.allocation_size:
+            raise HandleError("the pieces' descriptors or sizes do not fit the allocation size")
     align = f.dtype.alignment
     if f.offset % align or any(s % align for n, s in zip(f.shape, f.strides) if n > 1):
         raise HandleError(
@@ -263,7 +277,7 @@ def with_export(f: ArrayFields, flags: int, export_id: int, slot: int, event_han
     """The fields of ``f`` with another export's dynamic part."""
     return ArrayFields(f.kind, flags, f.dtype, f.memory_handle, f.offset, f.allocation_size, f.base_ptr,
                        f.buffer_id, f.device, f.producer, export_id, slot, event_handle, f.shape, f.strides,
-                       f.fd, f.resource)
+                       f.fd, f.resource, f.more)
 
 
 def splice(static: bytes, flags: int, export_id: int, slot: int, event_handle: bytes) -> bytes:
@@ -280,7 +294,10 @@ def pack_array(f: ArrayFields) -> bytes:
         f.producer.pid, f.producer.token, f.producer.boot_id, f.producer.host.encode()[:32],
         f.export_id, f.slot, f.event_handle,
     )
-    tail = _DESCRIPTOR.pack(f.fd, 0, f.resource) if f.kind in Kind.BY_DESCRIPTOR else b""
+    tail = b""
+    if f.kind in Kind.BY_DESCRIPTOR:
+        tail = _DESCRIPTOR.pack(f.fd, len(f.more), f.resource) + b"".join(
+            _DESCRIPTOR.pack(fd, 0, size) for fd, size in f.more)
     return head + struct.pack(f"<{2 * ndim}q", *f.shape, *f.strides) + tail
 
 
@@ -310,15 +327,21 @@ def _parse(raw: bytes) -> ArrayFields:
      token, boot, host, export_id, slot, event) = _ARRAY.unpack_from(raw)
     if ndim > MAX_NDIM:
         raise HandleError(f"{ndim} dimensions; at most {MAX_NDIM} are allowed")
-    tail = _DESCRIPTOR.size if kind in Kind.BY_DESCRIPTOR else 0
-    if len(raw) != ARRAY_HEADER + 16 * ndim + tail:
-        raise HandleError(
-            f"array handle is {len(raw)} bytes; {ARRAY_HEADER + 16 * ndim + tail} expected for {ndim} dimensions"
-        )
+    at = ARRAY_HEADER + 16 * ndim
+    fd, pieces, resource, more = -1, 0, 0, ()
+    if kind in Kind.BY_DESCRIPTOR and len(raw) >= at + _DESCRIPTOR.size:
+        fd, pieces, resource = _DESCRIPTOR.unpack_from(raw, at)
+        if pieces > MAX_PIECES:
+            raise HandleError(f"{pieces + 1} pieces; at most {MAX_PIECES + 1} are allowed")
+    tail = _DESCRIPTOR.size * (1 + pieces) if kind in Kind.BY_DESCRIPTOR else 0
+    if len(raw) != at + tail:
+        raise HandleError(f"array handle is {len(raw)} bytes; {at + tail} expected for {ndim} dimensions")
     dims = struct.unpack_from(f"<{2 * ndim}q", raw, ARRAY_HEADER)
-    fd, reserved, resource = _DESCRIPTOR.unpack_from(raw, ARRAY_HEADER + 16 * ndim) if tail else (-1, 0, 0)
-    if reserved:
-        raise HandleError("reserved bytes of the descriptor record are not zero")
+    if pieces:
+        records = [_DESCRIPTOR.unpack_from(raw, at + _DESCRIPTOR.size * (1 + k)) for k in range(pieces)]
+        if any(zero for _, zero, _ in records):
+            raise HandleError("reserved bytes of a piece record are not zero")
+        more = tuple((piece_fd, size) for piece_fd, _, size in records)
     try:
         dtype_text = dtype.rstrip(b"\0").decode("ascii")
     except UnicodeDecodeError:
@@ -331,7 +354,7 @@ def _parse(raw: bytes) -> ArrayFields:
     fields = ArrayFields(
         kind, flags, dt, mem, offset, size, base, buffer_id,
         DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)), export_id, slot,
-        event, tuple(dims[:ndim]), tuple(dims[ndim:]), fd, resource,
+        event, tuple(dims[:ndim]), tuple(dims[ndim:]), fd, resource, more,
     )
     validate_layout(fields)  # the struct bounds every width and range
     return fields

@@ -81,15 +81,15 @@ def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     _warn_if_fork_default()
     h = get_ipc_handle(array)
     fds = h._descriptors()
-    if fds:  # memory shared by descriptor: it rides SCM_RIGHTS (no ptrace permission needed)
-        return _rebuild_ndarray, (h.to_bytes(), _mp.reduction.DupFd(fds[0]))
+    if fds:  # memory shared by descriptor: the descriptors ride SCM_RIGHTS (no ptrace permission needed)
+        return _rebuild_ndarray, (h.to_bytes(), tuple(_mp.reduction.DupFd(fd) for fd in fds))
     return _rebuild_ndarray, (h.to_bytes(),)
 
 
-def _rebuild_ndarray(data: bytes, dup: Any = None) -> Any:
+def _rebuild_ndarray(data: bytes, dups: tuple[Any, ...] = ()) -> Any:
     h = IpcArrayHandle.from_bytes(data)
-    if dup is not None:
-        h._adopt_descriptors([dup.detach()])
+    if dups:
+        h._adopt_descriptors([dup.detach() for dup in dups])
     return h._open()
 
 

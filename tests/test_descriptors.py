@@ -52,8 +52,8 @@ def test_send_handle_passes_the_descriptor_itself():
         cupy_ipc.send_handle(a, h)
         got = cupy_ipc.recv_handle(b)
         assert got == h and got.kind == "pool"
-        received = got._take_fd()
-        assert received is not None and received != fd and _read(received) == b"pool"
+        (received,) = got._take_fds()
+        assert received != fd and _read(received) == b"pool"
         assert os.fstat(received).st_ino == os.fstat(fd).st_ino
         os.close(received)
     finally:
@@ -69,7 +69,29 @@ def test_a_legacy_handle_travels_as_bytes_alone():
     with a, b:
         cupy_ipc.send_handle(a, h)
         got = cupy_ipc.recv_handle(b)
-        assert got == h and got._take_fd() is None
+        assert got == h and got._take_fds() is None
+
+
+def test_many_descriptors_cross_in_several_messages():
+    # Virtual memory in 300 pieces: more descriptors than one message carries (253).
+    pieces = 300
+    fds = [_memfd(f"piece {k}".encode()) for k in range(pieces)]
+    h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=64 * pieces, shape=(16,), strides=(4,),
+                       dtype="float32", device=(0, bytes(16)), producer=(os.getpid(), b"t" * 16, b"b" * 16, "h"),
+                       kind=Kind.VMM, fd=fds[0], resource=1, more=[(fd, 64) for fd in fds[1:]])
+    a, b = socket.socketpair()
+    try:
+        h._adopt_descriptors([os.dup(fd) for fd in fds])  # as a consumer that received them holds them
+        cupy_ipc.send_handle(a, h)
+        received = cupy_ipc.recv_handle(b)._take_fds()
+        assert [_read(fd) for fd in received] == [f"piece {k}".encode() for k in range(pieces)]
+        for fd in received:
+            os.close(fd)
+    finally:
+        a.close()
+        b.close()
+        for fd in fds:
+            os.close(fd)
 
 
 def test_send_handle_refuses_other_sockets_and_recv_reports_a_closed_peer():

@@ -37,6 +37,30 @@ def test_vmm_array_round_trips_as_bytes_and_over_a_unix_socket(remote):
     assert r["sum"] == pytest.approx(EXPECTED, rel=1e-6) and r["descriptor_came_along"]
 
 
+def test_an_array_over_several_pieces_maps_whole(remote):
+    # Four allocations mapped one after another, as PyTorch's expandable segments map theirs.
+    import cupy_ipc
+    from workers import vmm_array
+
+    n = 2 * N  # 8 MiB in four pieces of 2 MiB, the H200's granularity
+    a = vmm_array(n, pieces=4)
+    h = cupy_ipc.get_ipc_handle(a)
+    assert len(h._f.more) >= 1, "the array should span several pieces"
+    consumer = remote()
+    expected = float(np.arange(n, dtype=np.float64).sum())
+    assert consumer.call("open_pool_bytes", h.to_bytes())["sum"] == pytest.approx(expected, rel=1e-6)
+    a[0] = 0  # the consumer wrote -1 there
+    view = a[n // 8: n - n // 8]  # starts inside the first piece, ends inside the last
+    r = consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(view).to_bytes())
+    assert r["sum"] == pytest.approx(float(np.arange(n // 8, n - n // 8, dtype=np.float64).sum()), rel=1e-6)
+    ours, theirs = socket.socketpair()
+    with ours:
+        consumer.send("recv_pool_handle", theirs)
+        theirs.close()
+        cupy_ipc.send_handle(ours, h)
+        assert consumer.result()["descriptor_came_along"]
+
+
 def test_vmm_arrays_through_cupy_ipc_multiprocessing():
     import cupy_ipc.multiprocessing as mp
     import workers
@@ -110,8 +134,8 @@ def test_pytorch_expandable_segments_tensor_is_read_by_a_cupy_consumer(expandabl
     import cupy_ipc
 
     producer = remote()  # started with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    n = 1 << 18  # 1 MiB: inside one mapped piece of a segment
-    r = producer.call("torch_expandable_producer", n)
-    assert r["conf"] == "expandable_segments:True" and r["kind"] == "vmm"
-    with cupy_ipc.IpcArrayHandle.from_bytes(r["data"]) as a:
-        assert float(a.sum()) == pytest.approx(2 * float(np.arange(n).sum()), rel=1e-6) and float(a[3]) == 6.0
+    for n in (1 << 18, 1 << 25):  # 1 MiB, and 128 MiB: over several of a segment's mapped pieces
+        r = producer.call("torch_expandable_producer", n)
+        assert r["conf"] == "expandable_segments:True" and r["kind"] == "vmm"
+        with cupy_ipc.IpcArrayHandle.from_bytes(r["data"]) as a:
+            assert float(a.sum()) == pytest.approx(2 * float(np.arange(n).sum()), rel=1e-6) and float(a[3]) == 6.0

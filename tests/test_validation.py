@@ -360,10 +360,10 @@ def test_unknown_kind_byte(kind):
     rejected(f"unknown memory kind {kind}", make, kind=kind)
 
 
-def make_pool(fd=7, resource=3, kind=Kind.POOL):
+def make_pool(fd=7, resource=3, kind=Kind.POOL, more=()):
     return IpcArrayHandle(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
                           dtype="float32", device=(0, UUID), producer=PRODUCER, kind=kind, fd=fd,
-                          resource=resource)
+                          resource=resource, more=more)
 
 
 @pytest.mark.parametrize("kind,name", [(Kind.POOL, "pool"), (Kind.VMM, "vmm")])
@@ -371,17 +371,29 @@ def test_descriptor_kinds_carry_their_descriptor_record(kind, name):
     h = make_pool(kind=kind)
     data = h.to_bytes()
     assert len(data) == len(VALID) + 16 and h.kind == name
-    assert IpcArrayHandle.from_bytes(data) == h and IpcArrayHandle.from_bytes(data)._f[-2:] == (7, 3)
+    got = IpcArrayHandle.from_bytes(data)
+    assert got == h and (got._f.fd, got._f.resource, got._f.more) == (7, 3, ())
 
 
 def test_pool_handle_without_or_with_a_bad_descriptor_record_is_refused():
     data = make_pool().to_bytes()
     rejected("321 expected for 2 dimensions", IpcArrayHandle.from_bytes, data[:-16])
     rejected("321 expected", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, kind=Kind.POOL))
-    rejected("reserved bytes of the descriptor record", IpcArrayHandle.from_bytes, data[:-12] + b"\1" + data[-11:])
+    rejected("337 expected", IpcArrayHandle.from_bytes, data[:-12] + b"\1" + data[-11:])  # a piece announced
     rejected("needs the producer's descriptor", make_pool, fd=-1)
     rejected("needs the producer's descriptor", make_pool, resource=0)
     rejected("descriptor .* does not fit", make_pool, fd=1 << 31)
+
+
+def test_virtual_memory_in_pieces_round_trips_and_bad_pieces_are_refused():
+    h = make_pool(kind=Kind.VMM, more=((8, 8), (9, 8)))
+    data = h.to_bytes()
+    assert len(data) == len(VALID) + 48 and IpcArrayHandle.from_bytes(data)._f.more == ((8, 8), (9, 8))
+    rejected("353 expected", IpcArrayHandle.from_bytes, data[:-16])
+    rejected("only virtual memory comes in pieces", make_pool, more=((8, 8),))
+    rejected("do not fit the allocation size", make_pool, kind=Kind.VMM, more=((8, 32),))
+    rejected("do not fit the allocation size", make_pool, kind=Kind.VMM, more=((-1, 8),))
+    rejected("reserved bytes of a piece record", IpcArrayHandle.from_bytes, data[:-12] + b"\1" + data[-11:])
 
 
 # --- lengths of the byte fields in the constructor ----------------------------------------------------------

@@ -509,13 +509,13 @@ def sum_from_queue(q: Any, out: Any) -> None:
         del a
 
 
-def vmm_array(n: int, shareable: bool = True) -> Any:
-    """``n`` float32 (0, 1, 2, ...) in memory of the virtual memory API, on the current GPU."""
+def vmm_array(n: int, shareable: bool = True, pieces: int = 1) -> Any:
+    """``n`` float32 (0, 1, 2, ...) in memory of the virtual memory API, on the current GPU, in ``pieces``."""
     import cupy
 
     from cupy_ipc import _vmm
 
-    a = cupy.ndarray((n,), cupy.float32, _vmm.allocate(4 * n, shareable))
+    a = cupy.ndarray((n,), cupy.float32, _vmm.allocate(4 * n, shareable, pieces))
     a[...] = cupy.arange(n, dtype=cupy.float32)
     return a
 
