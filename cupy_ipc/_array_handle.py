@@ -10,7 +10,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from . import _cuda, _fork, _keepalive, _mapping, _pools, _segment, _vmm
+from . import _cuda, _fdserver, _fork, _keepalive, _mapping, _pools, _segment, _vmm
 from ._errors import IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
@@ -173,9 +173,10 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
         elif _vmm.is_vmm(base):
             # Virtual memory is mapped piece by piece (PyTorch's expandable
             # segments): share every piece the array reaches.
-            _vmm.sweep()
             lo, hi = byte_extent(arr.shape, arr.strides, dtype.itemsize)
-            pieces = _vmm.export_pieces(arr.data.ptr + lo, arr.data.ptr + hi)
+            with _cuda.using_device(device):
+                _vmm.sweep()
+                pieces = _vmm.export_pieces(arr.data.ptr + lo, arr.data.ptr + hi, device)
             base, size = pieces[0][0], sum(p[1] for p in pieces)
             info = info._replace(buffer_id=pieces[0][4])
             fd, resource = pieces[0][2], pieces[0][3]
@@ -339,6 +340,7 @@ def _forget_after_fork() -> None:
     _opened_unmapped.clear()
     _pools.forget()
     _vmm.forget()
+    _fdserver.forget()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -368,7 +370,7 @@ class IpcArrayHandle:
         True
     """
 
-    __slots__ = ("_f", "_wire", "_opened", "_fd", "__weakref__")
+    __slots__ = ("_f", "_wire", "_opened", "_fd", "_server", "__weakref__")
 
     def __init__(
         self,
@@ -396,6 +398,7 @@ class IpcArrayHandle:
         object.__setattr__(self, "_wire", None)
         object.__setattr__(self, "_opened", [])
         object.__setattr__(self, "_fd", None)
+        object.__setattr__(self, "_server", None)
 
     @classmethod
     def _make(cls, fields: ArrayFields, wire: bytes | None = None) -> "IpcArrayHandle":
@@ -404,6 +407,7 @@ class IpcArrayHandle:
         object.__setattr__(h, "_wire", wire)  # only canonical bytes are accepted, so they are the wire form
         object.__setattr__(h, "_opened", [])
         object.__setattr__(h, "_fd", None)
+        object.__setattr__(h, "_server", None)
         return h
 
     # --- the descriptors of memory shared by file descriptor ----------------
@@ -421,10 +425,18 @@ class IpcArrayHandle:
         self._close_fds()
         object.__setattr__(self, "_fd", keep)
 
+    def _ask_producer(self, server: bytes) -> None:
+        """Take the descriptors, when an import needs them, from the producer's descriptor server ``server``."""
+        object.__setattr__(self, "_server", server)
+
     def _take_fds(self) -> tuple[int, ...] | None:
-        """The descriptors that came with this handle, now the caller's to close; ``None`` if none did."""
+        """The descriptors that came with this handle, else those the producer's server sends, now the caller's
+        to close; ``None``: neither (the importer takes them with ``pidfd_getfd``)."""
         fds = self._fd
         object.__setattr__(self, "_fd", None)
+        if fds is None and self._server is not None:
+            f = self._f
+            fds = tuple(_fdserver.fetch(self._server, f.producer.pid, [f.fd, *(fd for fd, _ in f.more)]))
         return fds
 
     def _descriptors(self) -> list[int]:
@@ -610,8 +622,7 @@ class IpcArrayHandle:
             key = (map_device, f.kind, f.memory_handle)
         importer = None
         if f.kind == Kind.POOL and own_ptr is None:
-            importer = (lambda: _pools.import_pointer(f, map_device, home, (self._take_fds() or (None,))[0]),
-                        _pools.free_imported)
+            importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds), _pools.free_imported)
         elif f.kind == Kind.VMM and own_ptr is None:
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(f.producer.pid, pieces, map_device, self._take_fds()),

@@ -7,6 +7,8 @@ that the package imports, and its handles validate, on machines with no GPU.
 
 from __future__ import annotations
 
+import ctypes
+
 import functools
 from typing import Any, Callable, NamedTuple, TypeVar
 
@@ -178,10 +180,31 @@ def device_count() -> int:
 @functools.lru_cache(maxsize=None)
 def device_uuid(ordinal: int) -> bytes:
     """The 16-byte UUID of a local device ordinal."""
+    return _driver_uuid(ordinal) or _runtime_uuid(ordinal)
+
+
+def _driver_uuid(ordinal: int) -> bytes | None:
+    # All 16 bytes from the driver, through ctypes: CuPy's device properties
+    # end the UUID at its first zero byte (seen on an H200), as a C string.
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        if lib.cuInit(0) != 0:
+            return None
+        dev = ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+            return None
+        buf = ctypes.create_string_buffer(16)
+        get = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid  # _v2: MIG instances' own
+        return buf.raw if get(buf, dev) == 0 else None
+    except (OSError, AttributeError):
+        return None
+
+
+def _runtime_uuid(ordinal: int) -> bytes:
     from cupy.cuda import runtime
 
     props = call("reading device properties", runtime.getDeviceProperties, ordinal)
-    return bytes(props["uuid"])[:16]
+    return bytes(props["uuid"])[:16].ljust(16, b"\0")
 
 
 _ordinals: dict[bytes, int] = {}
@@ -342,8 +365,7 @@ def stream_device(ptr: int) -> int:
 
     if ptr in (0, 1, 2):  # the legacy and per-thread default streams act on the current GPU
         return runtime.getDevice()
-    from cuda.bindings import driver
-
+    driver = _driver()
     err, dev = driver.cuStreamGetDevice(ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise IpcError(f"could not tell which GPU stream {ptr:#x} belongs to: {err.name}")

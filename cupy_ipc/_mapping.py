@@ -198,10 +198,25 @@ def _import(device: int, memory_handle: bytes, allocation_size: int) -> _Mapping
     return _checked(_Mapping(ptr, device, imported=True), allocation_size)
 
 
+def _mapped_bytes(ptr: int, want: int) -> int:
+    """How many bytes from ``ptr`` on are mapped without a gap, counting up to ``want``: virtual memory
+    imported in pieces is one range per piece."""
+    at = ptr
+    while at - ptr < want:
+        try:
+            base, size = _cuda.address_range(at)
+        except IpcError:
+            break
+        if base != at:
+            break
+        at = base + size
+    return at - ptr
+
+
 def _checked(m: _Mapping, allocation_size: int) -> _Mapping:
     """``m``, unless the driver mapped less than the handle claims (then unmapped)."""
-    base, size = _cuda.address_range(m.ptr)
-    if base != m.ptr or size < allocation_size:
+    size = _mapped_bytes(m.ptr, allocation_size)
+    if size < allocation_size:
         m.unmap()
         raise HandleError(
             f"the handle claims a {allocation_size}-byte allocation but the driver mapped "

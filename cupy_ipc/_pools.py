@@ -13,13 +13,14 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from . import _cuda
 from ._errors import IpcError
 
-__all__ = ["export", "forget", "import_pointer", "pool_of", "received_fd", "ShareableMemoryPool"]
+__all__ = ["export", "exports_fd", "forget", "import_pointer", "pool_of", "received_fd", "ShareableMemoryPool"]
 
 EXPORT_BYTES = 64
 _lock = threading.Lock()
@@ -76,6 +77,12 @@ def producer_fd(pool_id: int) -> int | None:
     return None
 
 
+def exports_fd(fd: int) -> bool:
+    """True when ``fd`` is the descriptor of a pool this process exports."""
+    with _lock:
+        return any(fd == own for own, _ in _exports.values())
+
+
 def received_fd(token: bytes, pool_id: int) -> int | None:
     """The descriptor this process holds of another process's pool, if it imported it."""
     with _lock:
@@ -83,18 +90,18 @@ def received_fd(token: bytes, pool_id: int) -> int | None:
     return hit[1] if hit else None
 
 
-def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int, given_fd: int | None) -> Any:
+def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
+                   descriptors: Callable[[], tuple[int, ...] | None]) -> Any:
     from ._descriptors import take_fd
 
     driver = _driver()
     key = (token, pool_id)
     with _lock:
         hit = _imports.get(key)
-    if hit is not None:
-        if given_fd is not None:
-            os.close(given_fd)
+    if hit is not None:  # imported once per process: the descriptor need not cross again
         return hit[0]
-    fd = given_fd if given_fd is not None else take_fd(pid, fd_number)
+    given = descriptors()
+    fd = given[0] if given else take_fd(pid, fd_number)
     err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _cuda.posix_fd(), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         os.close(fd)
@@ -116,13 +123,16 @@ def _give_access(pool: Any, device: int, home: int) -> None:
     _access.add(key)
 
 
-def import_pointer(f: Any, device: int, home: int, given_fd: int | None) -> int:
-    """Map the pool allocation of handle fields ``f`` for ``device`` (current there); its pointer."""
+def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tuple[int, ...] | None]) -> int:
+    """Map the pool allocation of handle fields ``f`` for ``device`` (current there); its pointer.
+
+    ``descriptors()``, called only if this process has not imported the pool yet: the pool's descriptor, the
+    caller's no more, or ``None`` to take it from the producer with ``pidfd_getfd``."""
     from cupy.cuda import runtime
 
     driver = _driver()
     runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
-    pool = _imported_pool(f.producer.token, f.resource, f.producer.pid, f.fd, given_fd)
+    pool = _imported_pool(f.producer.token, f.resource, f.producer.pid, f.fd, descriptors)
     _give_access(pool, device, home)
     data = driver.CUmemPoolPtrExportData()
     ctypes.memmove(data.getPtr(), f.memory_handle, EXPORT_BYTES)
@@ -187,6 +197,7 @@ class ShareableMemoryPool:
                 pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))
             _cuda.check("setting the pool's release threshold", err)
             self._pools[d] = pool
+        self._cupy, self._runtime, self._finalizing = cupy, cupy.cuda.runtime, sys.is_finalizing
         self._allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, self._free)
 
     def _pool(self, device: int) -> int:
@@ -197,17 +208,15 @@ class ShareableMemoryPool:
         return int(pool)
 
     def _malloc(self, size: int, device: int) -> int:
-        import cupy
-        from cupy.cuda import runtime
-
-        return runtime.mallocFromPoolAsync(size, self._pool(device), cupy.cuda.get_current_stream().ptr)
+        return self._runtime.mallocFromPoolAsync(size, self._pool(device), self._cupy.cuda.get_current_stream().ptr)
 
     def _free(self, ptr: int, device: int) -> None:
-        import cupy
-        from cupy.cuda import runtime
-
-        with cupy.cuda.Device(device):
-            runtime.freeAsync(ptr, cupy.cuda.get_current_stream().ptr)
+        # Bound names only: blocks are also freed while the interpreter shuts down, when imports fail and
+        # module globals are gone; the driver releases the pool's memory with the process then anyway.
+        if self._finalizing():
+            return
+        with self._cupy.cuda.Device(device):
+            self._runtime.freeAsync(ptr, self._cupy.cuda.get_current_stream().ptr)
 
     def malloc(self, size: int) -> Any:
         """Allocate ``size`` bytes on the current GPU and stream (``cupy.cuda.set_allocator(pool.malloc)``)."""

@@ -23,14 +23,15 @@ from . import _cuda
 from ._errors import IpcError
 from ._wire import MAX_PIECES
 
-__all__ = ["allocate", "export", "export_pieces", "import_mapping", "is_vmm", "pieces_of", "producer_fd", "sweep",
-           "unmap"]
+__all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm", "pieces_of",
+           "producer_fd", "sweep", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
 # producer: allocation id -> (descriptor, base, buffer id)
 _exports: dict[int, tuple[int, int, int]] = {}
-_by_buffer: dict[int, int] = {}  # buffer id -> allocation id
+# (buffer id, base) -> allocation id: the pieces of one mapping may share a buffer id
+_by_buffer: dict[tuple[int, int], int] = {}
 
 NOT_SHAREABLE = (
     "this memory comes from CUDA's virtual memory API (cuMemCreate) without a shareable handle type, and no "
@@ -57,8 +58,8 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
     """``(descriptor, allocation id)`` of the allocation mapped at ``base``; one descriptor per allocation."""
     driver = _driver()
     with _lock:
-        hit = _by_buffer.get(buffer_id)
-        if hit is not None and _exports[hit][1] == base:
+        hit = _by_buffer.get((buffer_id, base))
+        if hit is not None:
             return _exports[hit][0], hit
     err, handle = driver.cuMemRetainAllocationHandle(base)
     _cuda.check("finding the allocation behind the pointer", err)
@@ -74,7 +75,7 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
     with _lock:
         alloc_id = next(_ids)
         _exports[alloc_id] = (int(fd), base, buffer_id)
-        _by_buffer[buffer_id] = alloc_id
+        _by_buffer[(buffer_id, base)] = alloc_id
     return int(fd), alloc_id
 
 
@@ -85,15 +86,21 @@ def producer_fd(alloc_id: int) -> int | None:
     return hit[0] if hit else None
 
 
+def exports_fd(fd: int) -> bool:
+    """True when ``fd`` is the descriptor of an allocation this process exports."""
+    with _lock:
+        return any(fd == own for own, _, _ in _exports.values())
+
+
 def sweep() -> int:
     """Close the descriptors of exported allocations no longer mapped here; returns how many."""
     with _lock:
         items = list(_exports.items())
     gone = []
     for alloc_id, (fd, base, buffer_id) in items:
+        # The buffer id alone: the range the driver reports around a piece may be the whole mapping's.
         try:
-            info = _cuda.pointer_info(base)
-            alive = info.buffer_id == buffer_id and info.base == base
+            alive = _cuda.pointer_info(base).buffer_id == buffer_id
         except IpcError:
             alive = False
         if not alive:
@@ -102,13 +109,19 @@ def sweep() -> int:
         for alloc_id, fd, buffer_id in gone:
             if _exports.pop(alloc_id, None) is not None:
                 os.close(fd)
-                if _by_buffer.get(buffer_id) == alloc_id:
-                    del _by_buffer[buffer_id]
+                if _by_buffer.get((buffer_id, base)) == alloc_id:
+                    del _by_buffer[(buffer_id, base)]
     return len(gone)
 
 
-def export_pieces(lo: int, hi: int) -> list[tuple[int, int, int, int, int]]:
-    """Export every mapped piece covering addresses ``[lo, hi)``: ``(base, size, descriptor, id, buffer id)`` each."""
+def export_pieces(lo: int, hi: int, device: int) -> list[tuple[int, int, int, int, int]]:
+    """Export every mapped piece covering addresses ``[lo, hi)`` of ``device``'s memory: ``(base, size,
+    descriptor, id, buffer id)`` each. Leaves ``device`` current."""
+    from cupy.cuda import runtime
+
+    # The driver calls need a current context, which a thread of its own (a queue's feeder) lacks until
+    # the runtime binds one.
+    runtime.setDevice(device)
     pieces = []
     at = lo
     while at < hi:

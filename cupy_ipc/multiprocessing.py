@@ -12,6 +12,10 @@ registers reducers with multiprocessing's pickler (and only with it: ordinary
   released when the array and all its views are garbage-collected. An array
   received this way can be sent on: the next process maps the original
   allocation, and an array sent back to its exporter is its own memory again;
+  Memory shared by file descriptor (a ``ShareableMemoryPool``'s, virtual
+  memory) travels as the handle's bytes; the receiver asks the sender's
+  descriptor server (a Unix socket) for the descriptors when it lacks them:
+  a pool's crosses once per receiving process;
 - :class:`cupy_ipc.IpcEvent`, and ``cupy.cuda.Event`` created with
   ``interprocess=True`` (received as a ``cupy.cuda.Event``; the process that
   created it gets the same object back).
@@ -44,6 +48,7 @@ from multiprocessing import *  # noqa: F403 - the drop-in re-exports everything
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from . import _fdserver, _pools, _vmm
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
 from ._events import IpcEvent, IpcEventHandle, export_event
@@ -80,16 +85,22 @@ def _warn_if_fork_default() -> None:
 def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     _warn_if_fork_default()
     h = get_ipc_handle(array)
-    fds = h._descriptors()
-    if fds:  # memory shared by descriptor: the descriptors ride SCM_RIGHTS (no ptrace permission needed)
-        return _rebuild_ndarray, (h.to_bytes(), tuple(_mp.reduction.DupFd(fd) for fd in fds))
+    if h._descriptors():
+        # Memory shared by descriptor: the receiver asks this process's descriptor server for them, over a
+        # Unix socket (no ptrace permission needed), only when it lacks them: a pool it imported before
+        # needs nothing more than these bytes.
+        return _rebuild_ndarray, (h.to_bytes(), _fdserver.serve(_exported_fd))
     return _rebuild_ndarray, (h.to_bytes(),)
 
 
-def _rebuild_ndarray(data: bytes, dups: tuple[Any, ...] = ()) -> Any:
+def _exported_fd(fd: int) -> bool:
+    return _pools.exports_fd(fd) or _vmm.exports_fd(fd)
+
+
+def _rebuild_ndarray(data: bytes, server: bytes | None = None) -> Any:
     h = IpcArrayHandle.from_bytes(data)
-    if dups:
-        h._adopt_descriptors([dup.detach() for dup in dups])
+    if server is not None:
+        h._ask_producer(server)
     return h._open()
 
 

@@ -36,7 +36,7 @@ PART=${PART:-all}
 gpu_rc=0 cpu_rc=0 demo_rc=0 doctor_rc=0 bench_rc=0 nb_rc=0
 # Every step has a time limit, so that one that hangs leaves time for the others.
 if [ "$PART" != tools ]; then
-    timeout 300 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    timeout 380 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-tests.log"
     gpu_rc=$?
     PYTHONPATH="$SITE" timeout 120 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 \

@@ -229,3 +229,23 @@ def test_reopening_an_evicted_mapping_reads_the_right_data(consumer):
     data = [cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False).to_bytes() for a in arrays]
     order = [0, 1, 0, 2, 0, 1, 1, 2]
     assert consumer.call("reopen_after_eviction", [data[i] for i in order]) == [i + 1 for i in order]
+
+
+def test_device_uuids_are_whole():
+    # CuPy's device properties end a UUID at its first zero byte; handles carry all 16, as nvidia-smi shows them.
+    import os
+    import shutil
+    import subprocess
+
+    import cupy
+
+    from cupy_ipc._cuda import _uuid_text, device_uuid
+
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout \
+        if shutil.which("nvidia-smi") else None
+    for i in range(cupy.cuda.runtime.getDeviceCount()):
+        uuid = device_uuid(i)
+        assert len(uuid) == 16
+        assert uuid.startswith(bytes(cupy.cuda.runtime.getDeviceProperties(i)["uuid"]))
+        if listing is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            assert f"GPU-{_uuid_text(uuid)}" in listing

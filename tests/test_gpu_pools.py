@@ -67,6 +67,7 @@ def test_pool_arrays_through_cupy_ipc_multiprocessing():
 
     import cupy_ipc.multiprocessing as mp
     import workers
+    from cupy_ipc import _fdserver
 
     ctx = mp.get_context("spawn")
     q, out = ctx.Queue(), ctx.Queue()
@@ -76,10 +77,18 @@ def test_pool_arrays_through_cupy_ipc_multiprocessing():
         pool, a = _shareable()
         with cupy.cuda.using_allocator(pool.malloc):
             b = cupy.full(N, 3, dtype=cupy.float32)
+        served = _fdserver.served()
         q.put(a)
-        assert out.get(timeout=60) == (_expected_sum(), 1)
+        assert out.get(timeout=60)[:2] == (_expected_sum(), 1)
         q.put(b)
-        assert out.get(timeout=60) == (3.0 * N, 1)  # same pool: imported once
+        assert out.get(timeout=60)[:2] == (3.0 * N, 1)  # same pool: imported once
+        assert _fdserver.served() - served == 1  # its descriptor crossed once
+        for k in range(300):  # the same array again and again: no descriptor crosses, none leaks
+            q.put(b)
+            fds = out.get(timeout=60)[2]
+            if k == 100:
+                mid = fds
+        assert fds == mid and _fdserver.served() - served == 1
     finally:
         q.put(None)
         p.join(30)

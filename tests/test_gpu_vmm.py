@@ -57,7 +57,7 @@ def test_an_array_over_several_pieces_maps_whole(remote):
     with ours:
         consumer.send("recv_pool_handle", theirs)
         theirs.close()
-        cupy_ipc.send_handle(ours, h)
+        cupy_ipc.send_handle(ours, cupy_ipc.get_ipc_handle(a))  # h allowed one open, and had it
         assert consumer.result()["descriptor_came_along"]
 
 
@@ -65,13 +65,32 @@ def test_vmm_arrays_through_cupy_ipc_multiprocessing():
     import cupy_ipc.multiprocessing as mp
     import workers
 
+    import cupy_ipc
+    from cupy_ipc import _fdserver
+
     ctx = mp.get_context("spawn")
     q, out = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=workers.sum_from_queue, args=(q, out))
     p.start()
     try:
-        q.put(workers.vmm_array(N))
+        served = _fdserver.served()
+        q.put(workers.vmm_array(N))  # sent from the queue's feeder thread, which has no CUDA context of its own
         assert out.get(timeout=60)[0] == pytest.approx(EXPECTED, rel=1e-6)
+        q.put(workers.vmm_array(2 * N, pieces=4))
+        assert out.get(timeout=60)[0] == pytest.approx(float(np.arange(2 * N, dtype=np.float64).sum()), rel=1e-6)
+        assert _fdserver.served() - served == 5  # one descriptor per piece, asked for by the receiver
+
+        def trips(n):
+            for _ in range(n):
+                q.put(workers.vmm_array(4096))
+                got = out.get(timeout=60)
+                assert got[0] == float(np.arange(4096).sum())
+            cupy_ipc.collect()
+            return got[2], len(os.listdir("/proc/self/fd"))
+
+        trips(100)
+        mid = trips(200)
+        assert trips(200) == mid  # fresh allocations: no descriptor leaks on either side
     finally:
         q.put(None)
         p.join(30)

@@ -78,10 +78,15 @@ def _serve(conn: Any) -> None:
         try:
             reply = ("ok", globals()[name](*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+            import traceback
+
+            where = "the helper's traceback:\n" + traceback.format_exc()
             try:
                 pickle.dumps(e)
             except Exception:
                 e = RuntimeError(f"{type(e).__name__}: {e}")
+            if hasattr(e, "add_note"):  # Python 3.11+: shown with the test's failure
+                e.add_note(where)
             reply = ("err", e)
         conn.send(reply)
 
@@ -500,13 +505,15 @@ def recv_pool_handle(sock: Any) -> dict[str, Any]:
 
 
 def sum_from_queue(q: Any, out: Any) -> None:
-    """Receive arrays on ``q`` until None; answer each one's sum and the pools imported on ``out``."""
+    """Receive arrays on ``q`` until None; answer each one's sum, the pools imported and this process's open
+    descriptors (after letting the array go) on ``out``."""
     import cupy_ipc.multiprocessing  # noqa: F401 - the reducers
     from cupy_ipc import _pools
 
     while (a := q.get()) is not None:
-        out.put((float(a.sum()), len(_pools._imports)))
+        total = float(a.sum())
         del a
+        out.put((total, len(_pools._imports), len(os.listdir("/proc/self/fd"))))
 
 
 def vmm_array(n: int, shareable: bool = True, pieces: int = 1) -> Any:

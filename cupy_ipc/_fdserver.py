@@ -1,0 +1,226 @@
+"""Descriptors on request: a producer hands its exported memory's descriptors to consumers that ask, over a
+Unix socket.
+
+``cupy_ipc.multiprocessing`` sends an array as its handle's bytes alone; a
+consumer that needs the descriptors behind it (a pool it has not imported
+yet, or pieces of virtual memory) asks the producer for them here. So a
+pool's descriptor crosses once per consumer, and arrays that need none cost
+no more than their bytes. ``SCM_RIGHTS`` needs no ptrace permission.
+
+The socket is in the abstract namespace, named after the producer's random
+token; it serves processes of the same user (or root) only, and only
+descriptors that back memory this process exports.
+
+Example:
+    >>> import os
+    >>> r, w = os.pipe()
+    >>> serving = {r}
+    >>> name = serve(lambda fd: fd in serving)
+    >>> got = fetch(name, os.getpid(), [r])
+    >>> os.path.samestat(os.fstat(got[0]), os.fstat(r))
+    True
+    >>> for fd in (r, w, *got): os.close(fd)
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import socket
+import struct
+import threading
+from typing import Callable
+
+from ._errors import IpcError, ProducerExitedError
+from ._identity import this_process
+
+__all__ = ["fetch", "serve", "served"]
+
+_COUNT = struct.Struct("<I")
+_NUMBER = struct.Struct("<i")
+_MAX = 253  # SCM_MAX_FD: descriptors per message
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+_lock = threading.Lock()
+_server: tuple[bytes, socket.socket] | None = None  # (name, listening socket)
+_allowed: Callable[[int], bool] = lambda fd: False  # noqa: E731 - replaced by serve()
+_connections: dict[bytes, tuple[threading.Lock, socket.socket]] = {}  # consumer: name -> connection
+
+
+def _name(token: bytes) -> bytes:
+    return b"\0cupy_ipc-fd-" + token.hex().encode()
+
+
+def serve(allowed: Callable[[int], bool]) -> bytes:
+    """Start this process's descriptor server (once) and return its socket name.
+
+    ``allowed(fd)`` says whether descriptor ``fd`` backs memory this process
+    exports; no other descriptor is ever handed out. The latest call's ``allowed`` applies.
+    """
+    global _server, _allowed
+    with _lock:
+        _allowed = allowed
+        if _server is not None:
+            return _server[0]
+        name = _name(this_process().token)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(name)
+        listener.listen(64)
+        _server = (name, listener)
+    threading.Thread(target=_accept, args=(listener,), name="cupy_ipc-fd-server", daemon=True).start()
+    return name
+
+
+def _accept(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:  # closed
+            return
+        pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        if uid not in (os.geteuid(), 0):  # the rule pidfd_getfd would apply, less ptrace_scope
+            conn.close()
+            continue
+        threading.Thread(target=_answer, args=(conn,), name=f"cupy_ipc-fd-server-{pid}",
+                         daemon=True).start()
+
+
+_served = [0]
+
+
+def _count(n: int) -> None:
+    with _lock:
+        _served[0] += n
+
+
+def served() -> int:
+    """How many descriptors this process's server has handed out."""
+    return _served[0]
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def _answer(conn: socket.socket) -> None:
+    """Serve one consumer's requests: a count, then that many descriptor numbers; the answer is the count of
+    descriptors sent (0: refused) with the descriptors."""
+    with conn:
+        while True:
+            try:
+                head = _recv_exactly(conn, _COUNT.size)
+                if not head:
+                    return
+                (n,) = _COUNT.unpack(head)
+                if not 0 < n <= _MAX:
+                    return
+                body = _recv_exactly(conn, _NUMBER.size * n)
+                numbers = [_NUMBER.unpack_from(body, k * _NUMBER.size)[0] for k in range(n)]
+                if all(_allowed(fd) for fd in numbers):
+                    socket.send_fds(conn, [_COUNT.pack(n)], numbers)
+                    _count(n)
+                else:
+                    conn.sendall(_COUNT.pack(0))
+            except (OSError, struct.error):  # the consumer went away, or sent garbage
+                return
+
+
+def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
+    with _lock:
+        hit = _connections.get(name)
+    if hit is not None:
+        return hit
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(name)
+    except OSError as e:
+        sock.close()
+        if not _alive(pid):
+            raise ProducerExitedError(f"producer process {pid} has exited", pid=pid) from None
+        raise IpcError(f"could not reach producer process {pid} for the memory's descriptors: "
+                       f"{os.strerror(e.errno or 0)}") from e
+    with _lock:
+        hit = _connections.setdefault(name, (threading.Lock(), sock))
+    if hit[1] is not sock:
+        sock.close()
+    return hit
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fetch(name: bytes, pid: int, numbers: list[int]) -> list[int]:
+    """Descriptors ``numbers`` of producer ``pid``, asked of its server ``name``: duplicates, the caller's to
+    close.
+
+    Raises:
+        ProducerExitedError: The producer has exited.
+        IpcError: It refused (it no longer exports that memory) or could not be reached.
+    """
+    if not 0 < len(numbers) <= _MAX:
+        raise IpcError(f"cannot ask for {len(numbers)} descriptors at once (1 to {_MAX})")
+    for attempt in (0, 1):  # a connection may have broken since its last use: one retry on a new one
+        lock, sock = _connection(name, pid)
+        try:
+            with lock:
+                sock.sendall(_COUNT.pack(len(numbers)) + b"".join(_NUMBER.pack(n) for n in numbers))
+                head, fds, _, _ = socket.recv_fds(sock, _COUNT.size, _MAX)
+        except OSError as e:
+            head, fds = b"", []
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET):
+                raise IpcError(f"asking producer process {pid} for descriptors failed: {e}") from e
+        if len(head) == _COUNT.size:
+            if _COUNT.unpack(head)[0] == len(numbers) == len(fds):
+                return fds
+            for fd in fds:
+                os.close(fd)
+            raise IpcError(f"producer process {pid} no longer shares this memory (it refused its descriptors)")
+        for fd in fds:
+            os.close(fd)
+        with _lock:  # broken: forget it
+            if _connections.get(name, (None, None))[1] is sock:
+                del _connections[name]
+        sock.close()
+        if attempt == 0 and _alive(pid):
+            continue
+        break
+    if not _alive(pid):
+        raise ProducerExitedError(f"producer process {pid} has exited", pid=pid)
+    raise IpcError(f"producer process {pid} closed the connection instead of sending descriptors")
+
+
+def _close_connections() -> None:
+    with _lock:
+        for _, sock in _connections.values():
+            sock.close()
+        _connections.clear()
+
+
+atexit.register(_close_connections)
+
+
+def forget() -> None:
+    """After fork: the parent's server and connections are not this process's (a server restarts on demand).
+    Closing our copies leaves the parent's open."""
+    global _lock, _server
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    for _, sock in _connections.values():
+        sock.close()
+    _connections.clear()
+    if _server is not None:
+        _server[1].close()
+        _server = None

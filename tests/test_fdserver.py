@@ -1,0 +1,183 @@
+"""The producer's descriptor server, with real processes and the kernel's real rules (no GPU needed).
+
+``cupy_ipc.multiprocessing`` sends arrays of memory shared by descriptor as bytes; the receiver asks the
+producer's server for the descriptors. These tests serve ordinary descriptors (memfds with known content).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import pytest
+
+from cupy_ipc import IpcError, ProducerExitedError
+from cupy_ipc._fdserver import fetch, serve
+from test_descriptors import _as_nobody, _memfd, _read, may_switch_user  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux descriptors")
+
+
+def _child(work, *, pipe_out: int) -> int:
+    """Fork; the child runs ``work()``, writes its text to ``pipe_out`` and exits."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            text = work()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            text, code = f"error {type(e).__name__}: {e}", 1
+        os.write(pipe_out, text.encode() + b"\n")
+        os._exit(code)
+    return pid
+
+
+def _read_line(fd: int) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().strip()
+
+
+def test_a_child_fetches_an_allowed_descriptor_and_is_refused_others():
+    fd = _memfd(b"served")
+    name = serve(lambda n: n == fd)
+    r, w = os.pipe()
+
+    def consumer() -> str:
+        (got,) = fetch(name, os.getppid(), [fd])
+        content = _read(got).decode()
+        try:
+            fetch(name, os.getppid(), [0])  # stdin: not memory the producer exports
+            refused = "not refused"
+        except IpcError as e:
+            refused = str(e)
+        (again,) = fetch(name, os.getppid(), [fd])  # the connection survives a refusal
+        return f"{content}|{refused}|{_read(again).decode()}"
+
+    pid = _child(consumer, pipe_out=w)
+    line = _read_line(r)
+    os.waitpid(pid, 0)
+    for x in (r, w, fd):
+        os.close(x)
+    content, refused, again = line.split("|")
+    assert content == "served" and again == "served", line
+    assert "no longer shares this memory" in refused
+
+
+def test_several_descriptors_in_one_request():
+    fds = [_memfd(f"piece {k}".encode()) for k in range(5)]
+    name = serve(lambda n: n in fds)
+    got = fetch(name, os.getpid(), fds)
+    try:
+        assert [_read(g) for g in got] == [f"piece {k}".encode() for k in range(5)]
+        assert not set(got) & set(fds)  # duplicates, the caller's to close
+    finally:
+        for x in (*got, *fds):
+            os.close(x)
+    with pytest.raises(IpcError, match="at once"):
+        fetch(name, os.getpid(), [])
+
+
+def test_a_producer_that_has_exited_is_named():
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def producer() -> str:
+        fd = _memfd(b"x")
+        name = serve(lambda n: n == fd)
+        os.write(w, name.hex().encode() + f" {fd}\n".encode())
+        os.read(go_r, 1)
+        return "done"
+
+    pid = _child(producer, pipe_out=w)
+    name_hex, fd = _read_line(r).split()
+    name = bytes.fromhex(name_hex)
+    (got,) = fetch(name, pid, [int(fd)])  # alive: served, and the connection is cached
+    os.close(got)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    for x in (r, w, go_r, go_w):
+        os.close(x)
+    with pytest.raises(ProducerExitedError, match=f"process {pid} has exited"):
+        fetch(name, pid, [int(fd)])  # over the cached, now broken connection
+    with pytest.raises(ProducerExitedError):
+        fetch(name, pid, [int(fd)])  # and connecting anew
+
+
+def test_a_non_dumpable_producer_serves_where_pidfd_getfd_is_refused(may_switch_user):  # noqa: F811
+    # The pair of the EPERM test: both the same non-root user, the producer not dumpable.
+    from cupy_ipc._descriptors import take_fd
+
+    info_r, info_w = os.pipe()
+    out_r, out_w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def producer() -> str:
+        _as_nobody(dumpable=0)
+        fd = _memfd(b"no ptrace needed")
+        name = serve(lambda n: n == fd)
+        os.write(info_w, f"{os.getpid()} {fd} {name.hex()}\n".encode())
+        os.read(go_r, 1)
+        return "producer done"
+
+    def consumer() -> str:
+        _as_nobody()
+        pid, fd, name_hex = _read_line(info_r).split()
+        try:
+            take_fd(int(pid), int(fd))
+            taken = "taken"
+        except IpcError as e:
+            taken = "refused" if "EPERM" in str(e) else str(e)
+        (got,) = fetch(bytes.fromhex(name_hex), int(pid), [int(fd)])
+        os.write(go_w, b"x")
+        return f"{taken}|{_read(got).decode()}"
+
+    prod = _child(producer, pipe_out=out_w)
+    cons = _child(consumer, pipe_out=out_w)
+    for x in (info_r, info_w, out_w, go_r, go_w):
+        os.close(x)
+    data = b""
+    while chunk := os.read(out_r, 4096):  # until both have exited
+        data += chunk
+    os.close(out_r)
+    for pid in (prod, cons):
+        os.waitpid(pid, 0)
+    lines = set(data.decode().split("\n")) - {""}
+    assert lines == {"producer done", "refused|no ptrace needed"}, lines
+
+
+def test_another_user_is_not_served(may_switch_user):  # noqa: F811
+    fd = _memfd(b"root's")
+    name = serve(lambda n: n == fd)
+    r, w = os.pipe()
+
+    def consumer() -> str:
+        _as_nobody()
+        try:
+            fetch(name, os.getppid(), [fd])
+            return "served"
+        except IpcError as e:
+            return str(e)
+
+    pid = _child(consumer, pipe_out=w)
+    line = _read_line(r)
+    os.waitpid(pid, 0)
+    for x in (r, w, fd):
+        os.close(x)
+    assert "closed the connection" in line, line
+
+
+def test_a_forked_child_serves_under_its_own_name():
+    name = serve(lambda n: False)
+    r, w = os.pipe()
+    pid = _child(lambda: serve(lambda n: False).hex(), pipe_out=w)
+    child_name = bytes.fromhex(_read_line(r))
+    os.waitpid(pid, 0)
+    os.close(r)
+    os.close(w)
+    assert child_name != name and serve(lambda n: False) == name
