@@ -20,6 +20,11 @@ registers reducers with multiprocessing's pickler (and only with it: ordinary
   ``interprocess=True`` (received as a ``cupy.cuda.Event``; the process that
   created it gets the same object back).
 
+An object that cannot be shared (an array of managed memory, say) raises
+:class:`IpcError` in the sender, except on a ``Queue``: it pickles on a
+background thread, which would print the error and drop the message, so the
+receiver's ``get()`` raises the error instead and later messages still arrive.
+
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
 The sender's ordering event is recorded when the message is pickled, which
@@ -41,12 +46,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as _mp
+import threading
 import warnings
 import weakref
 from multiprocessing import *  # noqa: F403 - the drop-in re-exports everything
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Callable
 
 from . import _fdserver, _pools, _vmm
 from ._array_handle import IpcArrayHandle, get_ipc_handle
@@ -81,7 +88,34 @@ def _warn_if_fork_default() -> None:
         )
 
 
+# --- errors while pickling ---------------------------------------------------------
+def _errors_reach_the_receiver(reduce: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A reducer whose ``IpcError`` reaches the receiver when raised on a queue's feeder thread.
+
+    A queue pickles on that thread, which can only print the error and drop
+    the message: the receiver would wait forever. It gets the error instead;
+    elsewhere (pipes, pools, the caller's own thread) the error is raised to
+    the sender as usual.
+    """
+
+    @functools.wraps(reduce)
+    def wrapper(obj: Any) -> Any:
+        try:
+            return reduce(obj)
+        except IpcError as e:
+            if threading.current_thread().name != "QueueFeederThread":
+                raise
+            return _raise_received, (f"{type(obj).__module__}.{type(obj).__qualname__}", str(e), e.cuda_error)
+
+    return wrapper
+
+
+def _raise_received(what: str, text: str, cuda_error: str | None) -> Any:
+    raise IpcError(f"the sender could not share a {what} put on this queue: {text}", cuda_error=cuda_error)
+
+
 # --- cupy.ndarray ----------------------------------------------------------------
+@_errors_reach_the_receiver
 def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     _warn_if_fork_default()
     h = get_ipc_handle(array)
@@ -105,6 +139,7 @@ def _rebuild_ndarray(data: bytes, server: bytes | None = None) -> Any:
 
 
 # --- events ----------------------------------------------------------------------
+@_errors_reach_the_receiver
 def _reduce_ipc_event(event: IpcEvent) -> tuple[Any, tuple[bytes]]:
     return _rebuild_ipc_event, (event.get_ipc_handle().to_bytes(),)
 
@@ -120,6 +155,7 @@ _cupy_events: "weakref.WeakValueDictionary[bytes, Any]" = weakref.WeakValueDicti
 _received_events: "weakref.WeakKeyDictionary[Any, bytes]" = weakref.WeakKeyDictionary()
 
 
+@_errors_reach_the_receiver
 def _reduce_cupy_event(event: Any) -> tuple[Any, tuple[bytes]]:
     from cupy.cuda import runtime
 

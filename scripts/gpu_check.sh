@@ -12,6 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 PACK=${OUT:-}
 OUT=${CHECK_DIR:-/tmp/cupy_ipc-check}
+rm -rf "$OUT"  # a machine kept warm between calls still has the last call's logs: the summary reads only this one's
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}

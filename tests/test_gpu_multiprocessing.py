@@ -310,3 +310,26 @@ def test_array_on_another_device_arrives_mapped_on_the_receivers_gpu(ctx):
         ordinal, uuid, total = pool.apply(mp_workers.device_of, (a,))
     # The worker's current GPU is 0: the array is mapped there, the memory found on GPU 1 by UUID.
     assert ordinal == 0 and uuid == device_uuid(1) and total == 2000
+
+
+def test_an_array_that_cannot_be_shared_reaches_the_receiver_as_an_error():
+    # A queue pickles on its feeder thread: without care the message is dropped and the receiver waits forever.
+    import cupy
+
+    import cupy_ipc.multiprocessing as cmp
+    import mp_workers
+
+    ctx = cmp.get_context("spawn")
+    inbox, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=mp_workers.receive_from_queue, args=(inbox, out))
+    p.start()
+    try:
+        managed = cupy.ndarray((256,), cupy.float32, cupy.cuda.MemoryPointer(cupy.cuda.memory.ManagedMemory(1024), 0))
+        inbox.put(managed)
+        inbox.put(cupy.ones(256, cupy.float32))
+        got = out.get(timeout=60)
+        assert got.startswith("IpcError: the sender could not share a cupy.ndarray") and "managed memory" in got
+        assert out.get(timeout=60) == 256.0  # the next message still arrives
+    finally:
+        inbox.put(None)
+        p.join(30)

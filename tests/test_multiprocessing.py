@@ -64,3 +64,41 @@ raise SystemExit(os.waitstatus_to_exitcode(status))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+class _Unshareable:
+    """Stands for an array whose memory cannot be shared (no GPU needed to reduce it)."""
+
+
+@mp._errors_reach_the_receiver
+def _refuse(obj: _Unshareable) -> None:
+    raise cupy_ipc.IpcError("this memory is managed memory, which CUDA cannot share", cuda_error="cudaErrorX")
+
+
+@pytest.fixture
+def unshareable():
+    reducers = multiprocessing.reduction.ForkingPickler._extra_reducers
+    multiprocessing.reduction.ForkingPickler.register(_Unshareable, _refuse)
+    yield
+    reducers.pop(_Unshareable, None)
+
+
+def test_a_refusal_on_a_queues_feeder_thread_reaches_the_receiver(unshareable):
+    # A real queue: put() pickles on its feeder thread, which would print the error and drop the message.
+    q = multiprocessing.get_context("spawn").Queue()
+    try:
+        q.put(_Unshareable())
+        q.put("next")
+        with pytest.raises(cupy_ipc.IpcError, match="could not share a .*_Unshareable.*managed memory") as e:
+            q.get(timeout=10)
+        assert e.value.cuda_error == "cudaErrorX"
+        assert q.get(timeout=10) == "next"  # nothing else lost
+    finally:
+        q.close()
+        q.join_thread()
+
+
+def test_a_refusal_elsewhere_is_raised_to_the_sender(unshareable):
+    a, b = multiprocessing.Pipe()
+    with a, b, pytest.raises(cupy_ipc.IpcError, match="managed memory"):
+        a.send(_Unshareable())  # a pipe pickles in the caller's thread
