@@ -28,10 +28,11 @@ __all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping"
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
-# producer: allocation id -> (descriptor, base, buffer id)
+# producer: allocation id -> (descriptor, base, allocation handle). The handle, not a buffer id, tells
+# whether the same allocation is still mapped there: CUDA guarantees that retaining an address returns the
+# handle it was mapped with, and PyTorch's expandable segments map new allocations at freed addresses.
 _exports: dict[int, tuple[int, int, int]] = {}
-# (buffer id, base) -> allocation id: the pieces of one mapping may share a buffer id
-_by_buffer: dict[tuple[int, int], int] = {}
+_by_mapping: dict[tuple[int, int], int] = {}  # (base, allocation handle) -> allocation id
 
 NOT_SHAREABLE = (
     "this memory comes from CUDA's virtual memory API (cuMemCreate) without a shareable handle type, and no "
@@ -44,26 +45,32 @@ def _driver() -> Any:
     return _cuda._driver()
 
 
-def is_vmm(ptr: int) -> bool:
-    """True when ``ptr`` is mapped from an allocation of the virtual memory API."""
+def _handle_at(ptr: int) -> int | None:
+    """The allocation handle mapped at ``ptr`` (``cuMemRetainAllocationHandle``), or ``None``."""
     driver = _driver()
     err, handle = driver.cuMemRetainAllocationHandle(ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
-        return False
+        return None
     driver.cuMemRelease(handle)
-    return True
+    return int(handle)
 
 
-def export(base: int, buffer_id: int) -> tuple[int, int]:
+def is_vmm(ptr: int) -> bool:
+    """True when ``ptr`` is mapped from an allocation of the virtual memory API."""
+    return _handle_at(ptr) is not None
+
+
+def export(base: int) -> tuple[int, int]:
     """``(descriptor, allocation id)`` of the allocation mapped at ``base``; one descriptor per allocation."""
     driver = _driver()
-    with _lock:
-        hit = _by_buffer.get((buffer_id, base))
-        if hit is not None:
-            return _exports[hit][0], hit
     err, handle = driver.cuMemRetainAllocationHandle(base)
     _cuda.check("finding the allocation behind the pointer", err)
+    key = (base, int(handle))
     try:
+        with _lock:
+            hit = _by_mapping.get(key)
+        if hit is not None:
+            return _exports[hit][0], hit
         err, prop = driver.cuMemGetAllocationPropertiesFromHandle(handle)
         _cuda.check("reading the allocation's properties", err)
         if not int(prop.requestedHandleTypes) & int(_cuda.posix_fd()):
@@ -74,8 +81,8 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
         driver.cuMemRelease(handle)
     with _lock:
         alloc_id = next(_ids)
-        _exports[alloc_id] = (int(fd), base, buffer_id)
-        _by_buffer[(buffer_id, base)] = alloc_id
+        _exports[alloc_id] = (int(fd), *key)
+        _by_mapping[key] = alloc_id
     return int(fd), alloc_id
 
 
@@ -93,24 +100,16 @@ def exports_fd(fd: int) -> bool:
 
 
 def sweep() -> int:
-    """Close the descriptors of exported allocations no longer mapped here; returns how many."""
+    """Close the descriptors of exported allocations no longer mapped where they were; returns how many."""
     with _lock:
         items = list(_exports.items())
-    gone = []
-    for alloc_id, (fd, base, buffer_id) in items:
-        # The buffer id alone: the range the driver reports around a piece may be the whole mapping's.
-        try:
-            alive = _cuda.pointer_info(base).buffer_id == buffer_id
-        except IpcError:
-            alive = False
-        if not alive:
-            gone.append((alloc_id, fd, buffer_id))
+    gone = [(alloc_id, fd, (base, handle)) for alloc_id, (fd, base, handle) in items if _handle_at(base) != handle]
     with _lock:
-        for alloc_id, fd, buffer_id in gone:
+        for alloc_id, fd, key in gone:
             if _exports.pop(alloc_id, None) is not None:
                 os.close(fd)
-                if _by_buffer.get((buffer_id, base)) == alloc_id:
-                    del _by_buffer[(buffer_id, base)]
+                if _by_mapping.get(key) == alloc_id:
+                    del _by_mapping[key]
     return len(gone)
 
 
@@ -130,7 +129,7 @@ def export_pieces(lo: int, hi: int, device: int) -> list[tuple[int, int, int, in
         except IpcError as e:
             raise IpcError(f"the array reaches 0x{at:x}, where no virtual memory is mapped") from e
         buffer_id = _cuda.pointer_info(base).buffer_id
-        fd, alloc_id = export(base, buffer_id)
+        fd, alloc_id = export(base)
         pieces.append((base, size, fd, alloc_id, buffer_id))
         at = base + size
     if len(pieces) > MAX_PIECES + 1:
@@ -227,7 +226,7 @@ def unmap(ptr: int, sizes: list[int]) -> None:
 def forget() -> None:
     """After fork: the parent's descriptors are not this process's to hand out."""
     _exports.clear()
-    _by_buffer.clear()
+    _by_mapping.clear()
 
 
 class _Owner:

@@ -142,6 +142,42 @@ def test_the_producer_closes_descriptors_of_freed_allocations(remote):
     assert fds() == mid
 
 
+def test_a_new_allocation_mapped_where_an_old_one_was_shares_its_own_memory(remote):
+    # PyTorch's expandable segments unmap freed pages and later map new allocations at the same addresses.
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _cuda
+    from workers import vmm_array
+
+    driver = _cuda._driver()
+    a = vmm_array(N)
+    ptr, size = a.data.ptr, a.data.mem.size
+    consumer = remote()
+    assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())["sum"] == \
+        pytest.approx(EXPECTED, rel=1e-6)
+    cupy.cuda.Device().synchronize()
+    (err,) = driver.cuMemUnmap(ptr, size)
+    _cuda.check("unmapping", err)
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = a.device.id
+    prop.requestedHandleTypes = _cuda.posix_fd()
+    err, handle = driver.cuMemCreate(size, prop, 0)
+    _cuda.check("creating", err)
+    (err,) = driver.cuMemMap(ptr, size, 0, handle, 0)
+    _cuda.check("mapping", err)
+    driver.cuMemRelease(handle)
+    (err,) = driver.cuMemSetAccess(ptr, size, [_cuda.access_desc(a.device.id)], 1)
+    _cuda.check("giving access", err)
+    # A new array over the new allocation; `a` owns the addresses (and unmaps them when collected).
+    b = cupy.ndarray((N,), cupy.float32, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, a), 0))
+    b.fill(3)
+    assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(b).to_bytes())["sum"] == 3.0 * N
+    assert float(b[0]) == -1  # and the consumer wrote into the new allocation
+
+
 @pytest.fixture
 def expandable(monkeypatch):
     if importlib.util.find_spec("torch") is None:
