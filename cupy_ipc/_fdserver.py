@@ -78,7 +78,11 @@ def _accept(listener: socket.socket) -> None:
             conn, _ = listener.accept()
         except OSError:  # closed
             return
-        pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        try:
+            pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        except OSError:  # gone already: the server goes on
+            conn.close()
+            continue
         if uid not in (os.geteuid(), 0):  # the rule pidfd_getfd would apply, less ptrace_scope
             conn.close()
             continue
