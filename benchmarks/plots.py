@@ -10,7 +10,8 @@ LABELS = {"raw": "raw CuPy calls (no safety)", "cupy_ipc": "cupy_ipc (handle byt
           "mp": "cupy_ipc.multiprocessing", "pool": "cupy_ipc.multiprocessing, shareable pool",
           "vmm": "cupy_ipc.multiprocessing, virtual memory",
           "torch": "torch.multiprocessing", "staging": "host staging",
-          "bare": "bare queue message"}
+          "bare": "bare queue message", "cupy_ipc-nosync": "cupy_ipc, ordering off",
+          "cupy_ipc-nokeep": "cupy_ipc, keep-alive off", "cupy_ipc-unsafe": "cupy_ipc, both off"}
 
 
 def draw_roundtrip(rows: list[dict[str, Any]], path: str, title: str) -> bool:

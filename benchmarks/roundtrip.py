@@ -10,6 +10,10 @@ ack, timed by the producer. Methods:
   no keep-alive and no ordering: the floor for zero-copy sharing;
 - ``cupy_ipc``: ``get_ipc_handle``/``IpcArrayHandle.open`` with keep-alive and
   ordering on (the defaults), the handle's bytes on the queue;
+- ``cupy_ipc-nosync``, ``cupy_ipc-nokeep``, ``cupy_ipc-unsafe`` (only when
+  named): as ``cupy_ipc`` with ordering, keep-alive or both off, to show what
+  each costs (the producer synchronizes a fresh buffer, untimed, when ordering
+  is off);
 - ``mp``: the array itself on a queue, through ``cupy_ipc.multiprocessing``
   (the same guarantees; the array is pickled by handle);
 - ``pool``: as ``mp``, with arrays of a ``cupy_ipc.ShareableMemoryPool``
@@ -51,6 +55,10 @@ import time
 from typing import Any
 
 METHODS = ("bare", "raw", "cupy_ipc", "mp", "pool", "vmm", "torch", "staging")
+# cupy_ipc with parts of its safety off, to see what each costs (not in the default list):
+# get_ipc_handle's keyword arguments by method.
+VARIANTS = {"cupy_ipc-nosync": {"sync": False}, "cupy_ipc-nokeep": {"keepalive": False},
+            "cupy_ipc-unsafe": {"sync": False, "keepalive": False}}
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -116,7 +124,7 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
             del arr, mem
             if not resent:
                 cupy.cuda.runtime.ipcCloseMemHandle(ptr)
-        elif method == "cupy_ipc":
+        elif method == "cupy_ipc" or method in VARIANTS:
             from cupy_ipc import IpcArrayHandle
 
             with IpcArrayHandle.from_bytes(msg) as arr:
@@ -150,10 +158,10 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
             if resent:
                 cache["handle"] = handle
         return (handle, arr.nbytes, resent)
-    if method == "cupy_ipc":
+    if method == "cupy_ipc" or method in VARIANTS:
         import cupy_ipc
 
-        return cupy_ipc.get_ipc_handle(arr).to_bytes()
+        return cupy_ipc.get_ipc_handle(arr, **VARIANTS.get(method, {})).to_bytes()
     if method in ("torch", "mp", "pool", "vmm"):
         return arr
     return cupy.asnumpy(arr)
@@ -192,7 +200,7 @@ def _free(method: str) -> None:
     # Untimed: give the memory back so the next fresh buffer is a new allocation.
     import cupy
 
-    if method in ("cupy_ipc", "mp", "pool", "vmm"):
+    if method in ("cupy_ipc", "mp", "pool", "vmm", *VARIANTS):
         import cupy_ipc
 
         cupy_ipc.collect()
@@ -258,6 +266,8 @@ def _context(method: str) -> Any:
 
 def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -> None:
     """Time ``(nbytes, resent, iters, warmup)`` cases with one consumer; ``report(case, seconds)``."""
+    import cupy
+
     ctx = _context(method)
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=consumer, args=(method, inbox, outbox), daemon=True)
@@ -271,6 +281,8 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
             for i in range(warmup + iters):
                 if not resent:
                     arr = _new_buffer(method, nbytes, 1)
+                    if VARIANTS.get(method, {}).get("sync") is False:
+                        cupy.cuda.get_current_stream().synchronize()  # untimed: what the user then owes
                 if profiler is not None:
                     profiler.enable()
                 t = time.perf_counter()
@@ -344,6 +356,9 @@ def summary(t: list[float]) -> dict[str, float]:
 
 def run(sizes: list[int], methods: list[str], iters: int, rounds: int, warmup: int) -> list[dict[str, Any]]:
     """Every (size, method, fresh/re-sent) case, in rotated rounds; one result row per case."""
+    unknown = [m for m in methods if m not in METHODS and m not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join((*METHODS, *VARIANTS))}")
     methods = [m for m in methods if available(m)]
     cases = [(nbytes, method, resent) for nbytes in sizes for method in methods for resent in (False, True)
              if not (method == "bare" and resent)]
@@ -374,7 +389,8 @@ def run(sizes: list[int], methods: list[str], iters: int, rounds: int, warmup: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1MiB", help="comma-separated sizes, e.g. 4KiB,1MiB,64MiB")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"of {', '.join(METHODS)}; also {', '.join(VARIANTS)} (cupy_ipc with safety parts off)")
     parser.add_argument("--iters", type=int, default=1000, help="messages per case, over all rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=100)

@@ -50,7 +50,7 @@ if [ "$PART" != tools ]; then
 fi
 if [ "$PART" != tests ]; then
     PYTHONPATH="$SITE" timeout 330 $PY benchmarks/suite.py --watchdog 320 \
-        --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,mp,pool,vmm,torch,staging} \
+        --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,cupy_ipc-nosync,cupy_ipc-unsafe,mp,pool,vmm,torch,staging} \
         --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
         --out benchmarks/results 2>&1 | tee "$OUT/bench.log"
     bench_rc=$?

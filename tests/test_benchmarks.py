@@ -54,7 +54,8 @@ def test_markdown_reports_each_part():
 def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     r = subprocess.run(
         [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
-         "--methods", "bare,raw,cupy_ipc,mp,pool,vmm", "--pingpong-iters", "20", "--bandwidth-bytes", "16MiB",
+         "--methods", "bare,raw,cupy_ipc,cupy_ipc-unsafe,mp,pool,vmm", "--pingpong-iters", "20",
+         "--bandwidth-bytes", "16MiB",
          "--all-gather-iters", "5", "--peer-bytes", "4MiB", "--out", str(tmp_path), "--watchdog", "150"],
         capture_output=True, text=True, timeout=200,
     )
@@ -62,7 +63,8 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     doc = json.loads((tmp_path / "suite.json").read_text())
     assert doc["errors"] == {}
     assert {(row["method"], row["resent"]) for row in doc["roundtrip"]} == {
-        ("bare", False), ("raw", False), ("raw", True), ("cupy_ipc", False), ("cupy_ipc", True), ("mp", False),
+        ("bare", False), ("raw", False), ("raw", True), ("cupy_ipc", False), ("cupy_ipc", True),
+        ("cupy_ipc-unsafe", False), ("cupy_ipc-unsafe", True), ("mp", False),
         ("mp", True), ("pool", False), ("pool", True), ("vmm", False), ("vmm", True)}
     assert doc["events"]["event"]["median_us"] > 0 and doc["events"]["raw"]["median_us"] > 0
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
@@ -100,3 +102,13 @@ def test_waiting_on_a_dead_partner_ends_with_an_error():
             roundtrip.receive(here, alive, 1, "the partner")
     finally:
         alive.kill()
+
+
+def test_an_unknown_method_is_refused_before_anything_runs():
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        import roundtrip
+    finally:
+        sys.path.remove(str(SUITE.parent))
+    with pytest.raises(ValueError, match="unknown method.*cupy-ipc.*choose from.*cupy_ipc-nosync"):
+        roundtrip.run([4096], ["raw", "cupy-ipc"], 1, 1, 1)
