@@ -178,8 +178,8 @@ def validate_origin(device: DeviceId, producer: Producer) -> None:
         host = producer.host.encode()
     except UnicodeEncodeError:
         raise HandleError(f"host name {producer.host!r} is not valid text") from None
-    if len(host) > _HOST_BYTES or host.endswith(b"\0"):
-        raise HandleError(f"host name {producer.host!r} must be at most {_HOST_BYTES} UTF-8 bytes, not ending in NUL")
+    if len(host) > _HOST_BYTES or b"\0" in host:
+        raise HandleError(f"host name {producer.host!r} must be at most {_HOST_BYTES} UTF-8 bytes, with no NUL")
 
 
 def validate_array(f: ArrayFields) -> None:

@@ -757,3 +757,11 @@ def check_constructor_any_values(fields):
 def test_fuzz_constructor_any_values():
     """Fails on the constructor bugs above (ids, host, integers the wire cannot hold)."""
     run(check_constructor_any_values, min_accepted=5)  # most of these values must be rejected
+
+
+@pytest.mark.parametrize("host", ["\x000", "a\x00b", "x\x00"])
+def test_a_host_name_with_a_nul_is_refused_by_the_constructor_as_by_the_parser(host):
+    # Found by the constructor fuzz: the wire pads the name with NULs, so one inside would not read back.
+    with pytest.raises(HandleError, match="no NUL"):
+        IpcArrayHandle(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(8,), strides=(4,),
+                       dtype="float32", device=(0, UUID), producer=(1, TOKEN, TOKEN, host))
