@@ -175,8 +175,8 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
             # segments): share every piece the array reaches.
             lo, hi = byte_extent(arr.shape, arr.strides, dtype.itemsize)
             with _cuda.using_device(device):
+                pieces = _vmm.export_pieces(arr.data.ptr + lo, arr.data.ptr + hi, device)  # binds a context
                 _vmm.sweep()
-                pieces = _vmm.export_pieces(arr.data.ptr + lo, arr.data.ptr + hi, device)
             base, size = pieces[0][0], sum(p[1] for p in pieces)
             info = info._replace(buffer_id=pieces[0][4])
             fd, resource = pieces[0][2], pieces[0][3]

@@ -99,11 +99,26 @@ def exports_fd(fd: int) -> bool:
         return any(fd == own for own, _, _ in _exports.values())
 
 
+# Errors that say nothing about the address (no context on this thread, a driver shutting down): keep.
+_UNSURE = ("CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_DEINITIALIZED",
+           "CUDA_ERROR_CONTEXT_IS_DESTROYED")
+
+
+def _still_mapped(base: int, handle: int) -> bool:
+    driver = _driver()
+    err, now = driver.cuMemRetainAllocationHandle(base)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return err.name in _UNSURE
+    driver.cuMemRelease(now)
+    return int(now) == handle
+
+
 def sweep() -> int:
     """Close the descriptors of exported allocations no longer mapped where they were; returns how many."""
     with _lock:
         items = list(_exports.items())
-    gone = [(alloc_id, fd, (base, handle)) for alloc_id, (fd, base, handle) in items if _handle_at(base) != handle]
+    gone = [(alloc_id, fd, (base, handle)) for alloc_id, (fd, base, handle) in items
+            if not _still_mapped(base, handle)]
     with _lock:
         for alloc_id, fd, key in gone:
             if _exports.pop(alloc_id, None) is not None:
