@@ -435,9 +435,13 @@ class IpcArrayHandle:
         fds = self._fd
         object.__setattr__(self, "_fd", None)
         if fds is None and self._server is not None:
-            f = self._f
-            fds = tuple(_fdserver.fetch(self._server, f.producer.pid, [f.fd, *(fd for fd, _ in f.more)]))
+            fds = tuple(_fdserver.fetch(self._server, self._f.producer.pid, self._producer_numbers()))
         return fds
+
+    def _producer_numbers(self) -> list[int]:
+        """The numbers, in the producer, of the descriptors behind this handle: the pool's, or each piece's."""
+        f = self._f
+        return [f.fd, *(fd for fd, _ in f.more)]
 
     def _descriptors(self) -> list[int]:
         """The descriptors to send with this handle: this process's own of the memory's pool or pieces, if any."""
@@ -446,7 +450,7 @@ class IpcArrayHandle:
             return []
         if f.producer.token == this_process().token:
             if f.kind == Kind.VMM:  # our own descriptors, open while the export lives
-                return [f.fd] + [fd for fd, _ in f.more]
+                return self._producer_numbers()
             fd = _pools.producer_fd(f.resource)
             return [] if fd is None else [fd]
         if f.kind == Kind.POOL and (fd := _pools.received_fd(f.producer.token, f.resource)) is not None:

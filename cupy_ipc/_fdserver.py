@@ -37,8 +37,7 @@ from ._identity import this_process
 
 __all__ = ["fetch", "serve", "served"]
 
-_COUNT = struct.Struct("<I")
-_NUMBER = struct.Struct("<i")
+_COUNT = struct.Struct("<I")  # a request: the count, then that many descriptor numbers (i32)
 _MAX = 253  # SCM_MAX_FD: descriptors per message
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -125,8 +124,7 @@ def _answer(conn: socket.socket) -> None:
                 (n,) = _COUNT.unpack(head)
                 if not 0 < n <= _MAX:
                     return
-                body = _recv_exactly(conn, _NUMBER.size * n)
-                numbers = [_NUMBER.unpack_from(body, k * _NUMBER.size)[0] for k in range(n)]
+                numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
                 if all(_allowed(fd) for fd in numbers):
                     socket.send_fds(conn, [_COUNT.pack(n)], numbers)
                     _count(n)
@@ -181,7 +179,7 @@ def fetch(name: bytes, pid: int, numbers: list[int]) -> list[int]:
         lock, sock = _connection(name, pid)
         try:
             with lock:
-                sock.sendall(_COUNT.pack(len(numbers)) + b"".join(_NUMBER.pack(n) for n in numbers))
+                sock.sendall(struct.pack(f"<I{len(numbers)}i", len(numbers), *numbers))
                 head, fds, _, _ = socket.recv_fds(sock, _COUNT.size, _MAX)
         except OSError as e:
             head, fds = b"", []
@@ -222,9 +220,7 @@ def forget() -> None:
     Closing our copies leaves the parent's open."""
     global _lock, _server
     _lock = threading.Lock()  # another thread may have held it at the fork
-    for _, sock in _connections.values():
-        sock.close()
-    _connections.clear()
+    _close_connections()
     if _server is not None:
         _server[1].close()
         _server = None

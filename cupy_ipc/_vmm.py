@@ -45,19 +45,19 @@ def _driver() -> Any:
     return _cuda._driver()
 
 
-def _handle_at(ptr: int) -> int | None:
-    """The allocation handle mapped at ``ptr`` (``cuMemRetainAllocationHandle``), or ``None``."""
+def _handle_at(ptr: int) -> tuple[Any, int | None]:
+    """``(driver result, allocation handle mapped at ptr or None)`` (``cuMemRetainAllocationHandle``)."""
     driver = _driver()
     err, handle = driver.cuMemRetainAllocationHandle(ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
-        return None
+        return err, None
     driver.cuMemRelease(handle)
-    return int(handle)
+    return err, int(handle)
 
 
 def is_vmm(ptr: int) -> bool:
     """True when ``ptr`` is mapped from an allocation of the virtual memory API."""
-    return _handle_at(ptr) is not None
+    return _handle_at(ptr)[1] is not None
 
 
 def export(base: int) -> tuple[int, int]:
@@ -105,12 +105,8 @@ _UNSURE = ("CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERR
 
 
 def _still_mapped(base: int, handle: int) -> bool:
-    driver = _driver()
-    err, now = driver.cuMemRetainAllocationHandle(base)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return err.name in _UNSURE
-    driver.cuMemRelease(now)
-    return int(now) == handle
+    err, now = _handle_at(base)
+    return err.name in _UNSURE if now is None else now == handle
 
 
 def sweep() -> int:

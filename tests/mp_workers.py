@@ -156,16 +156,3 @@ def device_of(a: Any) -> tuple[int, bytes, float]:
     with cupy.cuda.Device(a.device.id):
         return a.device.id, device_uuid(cupy_ipc.open_info(a).memory_device), float(a.sum())
 
-
-def receive_from_queue(inbox: Any, out: Any) -> None:
-    """Report what each get() from ``inbox`` gives (an array's sum, or the error) on ``out``, until ``None``."""
-    while True:
-        try:
-            a = inbox.get(timeout=60)
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            out.put(f"{type(e).__name__}: {e}")
-            continue
-        if a is None:
-            break
-        out.put(float(a.sum()))
-        del a

@@ -316,20 +316,12 @@ def test_an_array_that_cannot_be_shared_reaches_the_receiver_as_an_error():
     # A queue pickles on its feeder thread: without care the message is dropped and the receiver waits forever.
     import cupy
 
-    import cupy_ipc.multiprocessing as cmp
-    import mp_workers
+    from workers import queue_worker
 
-    ctx = cmp.get_context("spawn")
-    inbox, out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=mp_workers.receive_from_queue, args=(inbox, out))
-    p.start()
-    try:
+    with queue_worker() as (inbox, out):
         managed = cupy.ndarray((256,), cupy.float32, cupy.cuda.MemoryPointer(cupy.cuda.memory.ManagedMemory(1024), 0))
         inbox.put(managed)
         inbox.put(cupy.ones(256, cupy.float32))
         got = out.get(timeout=60)
         assert got.startswith("IpcError: the sender could not share a cupy.ndarray") and "managed memory" in got
-        assert out.get(timeout=60) == 256.0  # the next message still arrives
-    finally:
-        inbox.put(None)
-        p.join(30)
+        assert out.get(timeout=60)[0] == 256.0  # the next message still arrives

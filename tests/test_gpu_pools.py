@@ -65,15 +65,10 @@ def test_pool_handle_and_descriptor_over_a_unix_socket(remote):
 def test_pool_arrays_through_cupy_ipc_multiprocessing():
     import cupy
 
-    import cupy_ipc.multiprocessing as mp
-    import workers
     from cupy_ipc import _fdserver
+    from workers import queue_worker
 
-    ctx = mp.get_context("spawn")
-    q, out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=workers.sum_from_queue, args=(q, out))
-    p.start()
-    try:
+    with queue_worker() as (q, out):
         pool, a = _shareable()
         with cupy.cuda.using_allocator(pool.malloc):
             b = cupy.full(N, 3, dtype=cupy.float32)
@@ -89,9 +84,6 @@ def test_pool_arrays_through_cupy_ipc_multiprocessing():
             if k == 100:
                 mid = fds
         assert fds == mid and _fdserver.served() - served == 1
-    finally:
-        q.put(None)
-        p.join(30)
 
 
 def test_consumer_keeps_reading_after_the_producer_is_killed(remote):

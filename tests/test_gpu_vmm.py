@@ -62,17 +62,11 @@ def test_an_array_over_several_pieces_maps_whole(remote):
 
 
 def test_vmm_arrays_through_cupy_ipc_multiprocessing():
-    import cupy_ipc.multiprocessing as mp
-    import workers
-
     import cupy_ipc
+    import workers
     from cupy_ipc import _fdserver
 
-    ctx = mp.get_context("spawn")
-    q, out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=workers.sum_from_queue, args=(q, out))
-    p.start()
-    try:
+    with workers.queue_worker() as (q, out):
         served = _fdserver.served()
         q.put(workers.vmm_array(N))  # sent from the queue's feeder thread, which has no CUDA context of its own
         assert out.get(timeout=60)[0] == pytest.approx(EXPECTED, rel=1e-6)
@@ -91,9 +85,6 @@ def test_vmm_arrays_through_cupy_ipc_multiprocessing():
         trips(100)
         mid = trips(200)
         assert trips(200) == mid  # fresh allocations: no descriptor leaks on either side
-    finally:
-        q.put(None)
-        p.join(30)
 
 
 def test_consumer_keeps_reading_vmm_memory_after_the_producer_is_killed(remote):

@@ -6,12 +6,13 @@ context serves many checks; exceptions travel back and are re-raised.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import time
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -506,14 +507,38 @@ def recv_pool_handle(sock: Any) -> dict[str, Any]:
 
 def sum_from_queue(q: Any, out: Any) -> None:
     """Receive arrays on ``q`` until None; answer each one's sum, the pools imported and this process's open
-    descriptors (after letting the array go) on ``out``."""
+    descriptors (after letting the array go) on ``out``, or the text of the error receiving raised."""
     import cupy_ipc.multiprocessing  # noqa: F401 - the reducers
     from cupy_ipc import _pools
 
-    while (a := q.get()) is not None:
+    while True:
+        try:
+            a = q.get()
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out.put(f"{type(e).__name__}: {e}")
+            continue
+        if a is None:
+            break
         total = float(a.sum())
         del a
         out.put((total, len(_pools._imports), len(os.listdir("/proc/self/fd"))))
+
+
+@contextlib.contextmanager
+def queue_worker() -> Iterator[tuple[Any, Any]]:
+    """A spawned process running :func:`sum_from_queue` on ``cupy_ipc.multiprocessing`` queues: ``(inbox,
+    outbox)``; told to stop at the end."""
+    import cupy_ipc.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=sum_from_queue, args=(inbox, outbox))
+    p.start()
+    try:
+        yield inbox, outbox
+    finally:
+        inbox.put(None)
+        p.join(30)
 
 
 def vmm_array(n: int, shareable: bool = True, pieces: int = 1) -> Any:
