@@ -28,11 +28,15 @@ __all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping"
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
-# producer: allocation id -> (descriptor, base, allocation handle). The handle, not a buffer id, tells
-# whether the same allocation is still mapped there: CUDA guarantees that retaining an address returns the
-# handle it was mapped with, and PyTorch's expandable segments map new allocations at freed addresses.
-_exports: dict[int, tuple[int, int, int]] = {}
-_by_mapping: dict[tuple[int, int], int] = {}  # (base, allocation handle) -> allocation id
+# producer: allocation id -> (descriptor, (base, buffer id, allocation handle)). PyTorch's expandable
+# segments map new allocations at freed addresses, so the address alone does not name an allocation, nor
+# does the handle with it: handle values are reused once an allocation is released (seen on an H200: three
+# allocations in turn at one address, the first and third with one handle value). The buffer id is unique
+# in the process and to each piece of a mapping, where the base that cuPointerGetAttributes reports is the
+# whole mapping's.
+_Key = tuple[int, int, int]
+_exports: dict[int, tuple[int, _Key]] = {}
+_by_mapping: dict[_Key, int] = {}
 
 NOT_SHAREABLE = (
     "this memory comes from CUDA's virtual memory API (cuMemCreate) without a shareable handle type, and no "
@@ -60,12 +64,13 @@ def is_vmm(ptr: int) -> bool:
     return _handle_at(ptr)[1] is not None
 
 
-def export(base: int) -> tuple[int, int]:
-    """``(descriptor, allocation id)`` of the allocation mapped at ``base``; one descriptor per allocation."""
+def export(base: int, buffer_id: int) -> tuple[int, int]:
+    """``(descriptor, allocation id)`` of the allocation mapped at ``base`` (whose buffer id is
+    ``buffer_id``); one descriptor per allocation."""
     driver = _driver()
     err, handle = driver.cuMemRetainAllocationHandle(base)
     _cuda.check("finding the allocation behind the pointer", err)
-    key = (base, int(handle))
+    key = (base, buffer_id, int(handle))
     try:
         with _lock:
             hit = _by_mapping.get(key)
@@ -81,7 +86,7 @@ def export(base: int) -> tuple[int, int]:
         driver.cuMemRelease(handle)
     with _lock:
         alloc_id = next(_ids)
-        _exports[alloc_id] = (int(fd), *key)
+        _exports[alloc_id] = (int(fd), key)
         _by_mapping[key] = alloc_id
     return int(fd), alloc_id
 
@@ -96,7 +101,7 @@ def producer_fd(alloc_id: int) -> int | None:
 def exports_fd(fd: int) -> bool:
     """True when ``fd`` is the descriptor of an allocation this process exports."""
     with _lock:
-        return any(fd == own for own, _, _ in _exports.values())
+        return any(fd == own for own, _ in _exports.values())
 
 
 # Errors that say nothing about the address (no context on this thread, a driver shutting down): keep.
@@ -104,17 +109,22 @@ _UNSURE = ("CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERR
            "CUDA_ERROR_CONTEXT_IS_DESTROYED")
 
 
-def _still_mapped(base: int, handle: int) -> bool:
+def _still_mapped(key: _Key) -> bool:
+    base, buffer_id, handle = key
     err, now = _handle_at(base)
-    return err.name in _UNSURE if now is None else now == handle
+    if now is None:
+        return err.name in _UNSURE
+    try:
+        return now == handle and _cuda.pointer_info(base).buffer_id == buffer_id
+    except IpcError as e:
+        return any(name in str(e.cuda_error) for name in _UNSURE)
 
 
 def sweep() -> int:
     """Close the descriptors of exported allocations no longer mapped where they were; returns how many."""
     with _lock:
         items = list(_exports.items())
-    gone = [(alloc_id, fd, (base, handle)) for alloc_id, (fd, base, handle) in items
-            if not _still_mapped(base, handle)]
+    gone = [(alloc_id, fd, key) for alloc_id, (fd, key) in items if not _still_mapped(key)]
     with _lock:
         for alloc_id, fd, key in gone:
             if _exports.pop(alloc_id, None) is not None:
@@ -140,7 +150,7 @@ def export_pieces(lo: int, hi: int, device: int) -> list[tuple[int, int, int, in
         except IpcError as e:
             raise IpcError(f"the array reaches 0x{at:x}, where no virtual memory is mapped") from e
         buffer_id = _cuda.pointer_info(base).buffer_id
-        fd, alloc_id = export(base)
+        fd, alloc_id = export(base, buffer_id)
         pieces.append((base, size, fd, alloc_id, buffer_id))
         at = base + size
     if len(pieces) > MAX_PIECES + 1:

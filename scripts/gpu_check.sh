@@ -6,7 +6,7 @@
 # to $CHECK_DIR (default /tmp/cupy_ipc-check), and, packed in one file, to
 # $OUT/check.tgz when $OUT is set.
 # Knobs: PYTEST_ARGS, BENCH_SIZES, BENCH_METHODS, BENCH_ITERS, BENCH_ROUNDS, PRE (a command run first),
-# PART: "tests" (GPU and CPU tests, demo, doctor), "tools" (benchmark suite, profile, notebooks) or "all"
+# PART: "tests" (GPU and CPU tests, demo, doctor), "tools" (benchmark suite, step timer, notebooks) or "all"
 # (default): the two halves fit one device call each where the whole does not.
 set -u
 cd "$(dirname "$0")/.."
@@ -55,9 +55,8 @@ if [ "$PART" != tests ]; then
         --out benchmarks/results 2>&1 | tee "$OUT/bench.log"
     bench_rc=$?
     mkdir -p "$OUT/results" && cp benchmarks/results/suite.* benchmarks/results/*.png "$OUT/results/" 2>/dev/null
-    # Where a fresh message's time goes, each side (not timed: cProfile slows it).
-    timeout 90 $PY benchmarks/roundtrip.py --methods raw,cupy_ipc --sizes 1MiB --iters 300 --rounds 1 --warmup 20 \
-        --profile > "$OUT/profile.log" 2>&1
+    # Where a message's time goes, step by step on each side.
+    timeout 90 $PY benchmarks/steps.py --iters 300 > "$OUT/steps.log" 2>&1
     PYTHONPATH="$SITE" timeout 150 $PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
     nb_rc=$?
 fi

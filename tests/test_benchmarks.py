@@ -14,6 +14,7 @@ import pytest
 from cupy_ipc._cuda import unavailable_reason
 
 SUITE = pathlib.Path(__file__).parent.parent / "benchmarks" / "suite.py"
+STEPS = SUITE.parent / "steps.py"
 
 
 def test_without_a_gpu_the_suite_says_so():
@@ -21,6 +22,26 @@ def test_without_a_gpu_the_suite_says_so():
         pytest.skip("a GPU is visible: the smoke run below runs instead")
     r = subprocess.run([sys.executable, str(SUITE)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("suite: no GPU:")
+
+
+def test_without_a_gpu_the_step_timer_says_so():
+    if unavailable_reason() is None:
+        pytest.skip("a GPU is visible: the step timer's GPU run below runs instead")
+    r = subprocess.run([sys.executable, str(STEPS)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("steps: no GPU:")
+
+
+@pytest.mark.gpu
+def test_the_step_timer_reports_every_step_of_each_method():
+    r = subprocess.run([sys.executable, str(STEPS), "--iters", "5"], capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for method in ("raw", "cupy_ipc", "cupy_ipc-unsafe"):
+        for kind in ("fresh", "re-sent"):
+            section = r.stdout.split(f"\n{method}, {kind}:")[1].split("\n\n")[0]
+            assert re.search(r"round trip +\d+\.\d +\(5\)", section)
+            assert "consumer: open" in section and "consumer: close" in section
+    assert re.search(r"producer _keepalive\.pin +\d", r.stdout)  # the library's own functions are timed
+    assert re.search(r"consumer _mapping\.acquire +\d", r.stdout)
 
 
 def test_markdown_reports_each_part():
