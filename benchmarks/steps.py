@@ -4,8 +4,9 @@ The producer (this process) sends a 1 MiB array's handle over a ``Pipe`` to a
 spawned consumer, which opens it, reads one element, closes it and answers with
 how long each of its steps took. Both sides also time named library functions
 (wrapped for the run), summed per message. Printed: the median per step and
-function, for each method (``raw`` calls, ``cupy_ipc`` with safety on and
-``cupy_ipc-unsafe`` with it off) and for fresh and re-sent buffers.
+function, for each method (``raw`` calls, ``cupy_ipc`` with safety on,
+``cupy_ipc-unsafe`` with it off, and ``pool``: arrays of a
+``ShareableMemoryPool``, safety on) and for fresh and re-sent buffers.
 
 Usage::
 
@@ -30,8 +31,9 @@ CONSUMER = ("_array_handle.check_same_host", "_cuda.ordinal_of_uuid", "_array_ha
             "_cuda.can_access_peer", "_segment.attach", "_mapping.acquire", "_mapping._claim", "_mapping._map",
             "_mapping._import", "_mapping._checked", "_array_handle.open_cached", "_events.IpcEvent.query",
             "_events.IpcEvent.wait_from", "_mapping._release", "_cuda.stream_idle", "_mapping._finish",
-            "_mapping._trim_idle")
-METHODS = {"raw": None, "cupy_ipc": {}, "cupy_ipc-unsafe": {"sync": False, "keepalive": False}}
+            "_mapping._trim_idle", "_pools.import_pointer", "_pools.free_imported")
+# get_ipc_handle's options by method (None: raw runtime calls); "pool": arrays of a ShareableMemoryPool.
+METHODS = {"raw": None, "cupy_ipc": {}, "cupy_ipc-unsafe": {"sync": False, "keepalive": False}, "pool": {}}
 
 
 def instrument(names: tuple[str, ...]) -> "collections.Counter[str]":
@@ -122,6 +124,12 @@ def run(iters: int, nbytes: int, idle: int | None = None,
     if no_gc:
         gc.disable()
     spent = instrument(PRODUCER)
+    pool = cupy_ipc.ShareableMemoryPool()
+
+    def new() -> Any:
+        with cupy.cuda.using_allocator(pool.malloc if method == "pool" else None):
+            return cupy.full(nbytes // 4, 1, cupy.float32)
+
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=consumer, args=(child, idle, no_gc), daemon=True)
@@ -131,11 +139,11 @@ def run(iters: int, nbytes: int, idle: int | None = None,
         for method, options in METHODS.items():
             for resent in (False, True):
                 rows: dict[str, list[float]] = collections.defaultdict(list)
-                arr = cupy.full(nbytes // 4, 1, cupy.float32)
+                arr = new()
                 cached = None
                 for i in range(iters + 20):
                     if not resent:
-                        arr = cupy.full(nbytes // 4, 1, cupy.float32)
+                        arr = new()
                     spent.clear()
                     t0 = time.perf_counter_ns()
                     if options is None:
@@ -163,6 +171,7 @@ def run(iters: int, nbytes: int, idle: int | None = None,
                         del arr
                         cupy_ipc.collect()
                         cupy.get_default_memory_pool().free_all_blocks()
+                        pool.free_all_blocks()
                 out[(method, resent)] = rows
     finally:
         conn.send(None)

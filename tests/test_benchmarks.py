@@ -35,7 +35,7 @@ def test_without_a_gpu_the_step_timer_says_so():
 def test_the_step_timer_reports_every_step_of_each_method():
     r = subprocess.run([sys.executable, str(STEPS), "--iters", "5"], capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    for method in ("raw", "cupy_ipc", "cupy_ipc-unsafe"):
+    for method in ("raw", "cupy_ipc", "cupy_ipc-unsafe", "pool"):
         for kind in ("fresh", "re-sent"):
             section = r.stdout.split(f"\n{method}, {kind}:")[1].split("\n\n")[0]
             assert re.search(r"round trip +\d+\.\d +\(5\)", section)
