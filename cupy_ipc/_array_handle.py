@@ -637,6 +637,7 @@ class IpcArrayHandle:
                 own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
                 producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
                 stream_device=stream_device, memory_device=home, importer=importer,
+                hold_claim=f.kind == Kind.POOL,
             )
             if f.flags & FLAG_EVENT and not from_us:
                 ev = open_cached(f.event_handle, home, f.producer)

@@ -13,6 +13,11 @@ the lease is released:
    the memory;
 3. a mapping with no users is kept idle for re-opening (up to
    :func:`set_idle_mapping_limit`) and unmapped when evicted or collected.
+   An imported pool allocation must be freed here before its producer frees
+   it (CUDA's rule), so it is kept idle only with the last claim on it, which
+   pins the producer's memory until the mapping is evicted; and only once the
+   same allocation was released here before (a buffer sent again), so that
+   buffers sent once pin nothing.
 """
 
 from __future__ import annotations
@@ -32,14 +37,17 @@ __all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts
 
 
 class _Mapping:
-    __slots__ = ("ptr", "device", "users", "imported", "close")
+    __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held")
 
-    def __init__(self, ptr: int, device: int, imported: bool, close: Callable[[int], None] | None = None) -> None:
+    def __init__(self, ptr: int, device: int, imported: bool, close: Callable[[int], None] | None = None,
+                 hold_claim: bool = False) -> None:
         self.ptr = ptr
         self.device = device
         self.users = 0
         self.imported = imported
         self.close = close  # how to unmap an import of another kind than a legacy handle
+        self.hold_claim = hold_claim  # kept idle only with a claim on the producer's memory (pool imports)
+        self.held: tuple[bytes, int] | None = None  # that claim, while idle
 
     def unmap(self) -> None:
         if not self.imported:
@@ -70,6 +78,8 @@ _active: dict[tuple[Any, ...], _Mapping] = {}
 _idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.OrderedDict()
 _idle_limit = 16
 _claims: dict[tuple[bytes, int], _Claim] = {}
+_released: "collections.OrderedDict[tuple[Any, ...], None]" = collections.OrderedDict()  # keys of pool imports
+_RELEASED_MAX = 1024
 
 
 def set_idle_mapping_limit(n: int) -> int:
@@ -96,7 +106,14 @@ def _trim_idle() -> None:
     # Unmapped here rather than on the background thread: measured with fresh
     # buffers, an unmap there slowed the next open more than it saved here.
     while len(_idle) > _idle_limit:
-        _idle.popitem(last=False)[1].unmap()
+        _discard(_idle.popitem(last=False)[1])
+
+
+def _discard(m: _Mapping) -> None:
+    """Unmap an idle mapping, then let its producer free the memory (in that order: CUDA's rule)."""
+    m.unmap()
+    held, m.held = m.held, None
+    _unclaim(held)
 
 
 def collect_idle() -> int:
@@ -104,7 +121,7 @@ def collect_idle() -> int:
     with _lock:
         n = len(_idle)
         while _idle:
-            _idle.popitem(last=False)[1].unmap()
+            _discard(_idle.popitem(last=False)[1])
     return n
 
 
@@ -173,13 +190,18 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
-         own_ptr: int | None, importer: tuple[Callable[[], int], Callable[[int], None]] | None) -> _Mapping:
-    m = _active.get(key) or _idle.pop(key, None)
+         own_ptr: int | None, importer: tuple[Callable[[], int], Callable[[int], None]] | None,
+         hold_claim: bool = False) -> _Mapping:
+    m = _active.get(key)
+    if m is None and (m := _idle.pop(key, None)) is not None and m.held is not None:
+        held, m.held = m.held, None
+        _unclaim(held)  # the caller's claim protects the memory now
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
         elif importer is not None:
-            m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1]), allocation_size)
+            m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1], hold_claim=hold_claim),
+                         allocation_size)
         else:
             m = _import(device, memory_handle, allocation_size)
     _active[key] = m
@@ -225,20 +247,38 @@ def _checked(m: _Mapping, allocation_size: int) -> _Mapping:
     return m
 
 
-def _drop_user(key: tuple[Any, ...]) -> None:
+def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> bool:
+    """One user fewer; True when an idle mapping took over ``claim_key`` (the caller must not release it)."""
     m = _active.get(key)
     if m is None:
-        return
+        return False
     m.users -= 1
-    if m.users == 0:
-        del _active[key]
-        # An imported pool allocation is freed here, before the claim goes: the
-        # producer may free it only once every importer has (CUDA's rule).
-        if _idle_limit and m.close is None:
-            _idle[key] = m
-            _trim_idle()
-        else:
-            m.unmap()
+    if m.users:
+        return False
+    del _active[key]
+    if _idle_limit and m.close is None:
+        _idle[key] = m
+        _trim_idle()
+        return False
+    if _idle_limit and m.hold_claim and claim_key is not None and _released_before(key):
+        m.held = claim_key
+        _idle[key] = m
+        _trim_idle()
+        return True
+    # Other imports are unmapped here, before the claim goes: the producer may
+    # free a pool allocation only once every importer has (CUDA's rule).
+    m.unmap()
+    return False
+
+
+def _released_before(key: tuple[Any, ...]) -> bool:
+    if key in _released:
+        _released.move_to_end(key)
+        return True
+    _released[key] = None
+    if len(_released) > _RELEASED_MAX:
+        _released.popitem(last=False)
+    return False
 
 
 # --- leases -------------------------------------------------------------------
@@ -286,8 +326,8 @@ class Lease:
 
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> None:
     with _lock:
-        _drop_user(mapping_key)
-        _unclaim(claim_key)
+        if not _drop_user(mapping_key, claim_key):
+            _unclaim(claim_key)
 
 
 def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int) -> None:
@@ -337,19 +377,21 @@ def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocati
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any,
             stream_device: int | None = None, memory_device: int | None = None,
-            importer: tuple[Callable[[], int], Callable[[int], None]] | None = None) -> tuple[int, Lease]:
+            importer: tuple[Callable[[], int], Callable[[int], None]] | None = None,
+            hold_claim: bool = False) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device``; returns ``(pointer, lease)``.
 
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``, by
     default ``device``) is where the release is ordered; ``memory_device`` is
     the GPU holding the memory (default ``device``). ``importer`` maps and
-    unmaps memory that is not a legacy handle's: ``(map() -> ptr, unmap(ptr))``.
+    unmaps memory that is not a legacy handle's: ``(map() -> ptr, unmap(ptr))``; ``hold_claim``: its
+    mapping is kept idle only with the claim of its last user (pool imports).
     """
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
         try:
-            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer)
+            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim)
         except BaseException:
             _unclaim(claim_key)
             raise
@@ -362,6 +404,7 @@ def _forget_after_fork() -> None:
     _active.clear()
     _idle.clear()
     _claims.clear()
+    _released.clear()
     _queue = None
 
 

@@ -86,6 +86,31 @@ def test_pool_arrays_through_cupy_ipc_multiprocessing():
         assert fds == mid and _fdserver.served() - served == 1
 
 
+def test_a_pool_array_sent_again_keeps_its_import_with_a_claim_on_the_producers_memory(remote):
+    # An imported pool allocation must be freed before its producer frees it (CUDA's rule): the consumer keeps
+    # one idle only with a claim, which keeps the producer's pin; and only for an allocation sent again.
+    import cupy
+
+    import cupy_ipc
+
+    pool, a = _shareable()
+    with cupy.cuda.using_allocator(pool.malloc):
+        once = cupy.full(N, 7, dtype=cupy.float32)
+    consumer = remote()
+    before = len(cupy_ipc.pinned())
+    got = consumer.call("open_each", [cupy_ipc.get_ipc_handle(once).to_bytes()])
+    assert (got[0]["value"], got[0]["idle"], got[0]["claims"]) == (7.0, 0, 0)  # sent once: nothing kept
+    got = consumer.call("open_each", [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(4)])
+    assert [g["value"] for g in got] == [0.0] * 4
+    assert [(g["idle"], g["claims"]) for g in got] == [(0, 0), (1, 1), (1, 1), (1, 1)]
+    assert got[3]["ptr"] == got[2]["ptr"] == got[1]["ptr"]  # re-opened from the idle import
+    cupy_ipc.collect()
+    assert len(cupy_ipc.pinned()) == before + 1  # the last export, claimed by the idle import
+    assert consumer.call("collect_and_count") == {"mapped": 0, "idle": 0, "claims": 0}
+    cupy_ipc.collect()
+    assert len(cupy_ipc.pinned()) == before
+
+
 def test_consumer_keeps_reading_after_the_producer_is_killed(remote):
     import cupy_ipc
 

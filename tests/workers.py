@@ -316,6 +316,28 @@ def collect() -> None:
     cupy_ipc.collect()
 
 
+def open_each(items: list[bytes]) -> list[dict[str, Any]]:
+    """Open, read element 0, close each handle in turn; the value, the pointer and the consumer's tables after each."""
+    from cupy_ipc import IpcArrayHandle, _mapping
+
+    out = []
+    for d in items:
+        with IpcArrayHandle.from_bytes(d) as arr:
+            value, ptr = float(arr[0]), arr.data.ptr
+            arr.device.synchronize()  # the release needs no background wait
+        del arr
+        out.append({"value": value, "ptr": ptr, **_mapping.counts()})
+    return out
+
+
+def collect_and_count() -> dict[str, int]:
+    import cupy_ipc
+    from cupy_ipc import _mapping
+
+    cupy_ipc.collect()
+    return _mapping.counts()
+
+
 def read_first(data: bytes) -> float:
     """Open, read one element, close: one message of the cycle and benchmark loops."""
     from cupy_ipc import IpcArrayHandle
