@@ -104,6 +104,9 @@ def all_gather_run(ranks: int, iters: int) -> dict[str, Any]:
     return out
 
 
+STEPS = ("roundtrip", "events", "bandwidth", "peer_matrix", "all_gather")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4KiB,1MiB,64MiB,1GiB")
@@ -116,9 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--all-gather-iters", type=int, default=100, help="on 2 or more GPUs, with PyTorch")
     parser.add_argument("--peer-bytes", default="256MiB", help="array size of the cross-device matrix")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--only", help=f"comma-separated steps to run, of {', '.join(STEPS)} (default: all)")
     parser.add_argument("--watchdog", type=float, default=0,
                         help="after this many seconds, print every thread's stack and exit (0: never)")
     args = parser.parse_args(argv)
+    only = STEPS if args.only is None else tuple(args.only.split(","))
+    if unknown := [name for name in only if name not in STEPS]:
+        print(f"suite: unknown step(s) {', '.join(unknown)}: choose from {', '.join(STEPS)}", file=sys.stderr)
+        return 2
     if args.watchdog:
         import faulthandler
 
@@ -147,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if env["gpus"] > 1 and importlib.util.find_spec("torch") is not None:
         counts = [n for n in (2, 4, 8) if n <= env["gpus"]]
         steps.append(("all_gather", lambda: [all_gather_run(n, args.all_gather_iters) for n in counts]))
+    steps = [(name, step) for name, step in steps if name in only]
     for i, (name, step) in enumerate(steps, 1):
         t = time.perf_counter()
         print(f"[{i}/{len(steps)}] {name} ...", flush=True)

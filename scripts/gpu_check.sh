@@ -7,7 +7,9 @@
 # $OUT/check.tgz when $OUT is set.
 # Knobs: PYTEST_ARGS, BENCH_SIZES, BENCH_METHODS, BENCH_ITERS, BENCH_ROUNDS, PRE (a command run first),
 # PART: "tests" (GPU and CPU tests, demo, doctor), "tools" (benchmark suite, step timer, notebooks) or "all"
-# (default): the two halves fit one device call each where the whole does not.
+# (default): the two halves fit one device call each where the whole does not. PART=groups, for a machine
+# of 4 or 8 GPUs: the several-GPU tests, doctor, and the suite's cross-device matrix and all_gather for
+# 2, 4 and 8 ranks (results in $CHECK_DIR/results-groups, leaving benchmarks/results alone).
 set -u
 cd "$(dirname "$0")/.."
 PACK=${OUT:-}
@@ -36,7 +38,18 @@ set -o pipefail
 PART=${PART:-all}
 gpu_rc=0 cpu_rc=0 demo_rc=0 doctor_rc=0 bench_rc=0 nb_rc=0
 # Every step has a time limit, so that one that hangs leaves time for the others.
-if [ "$PART" != tools ]; then
+if [ "$PART" = groups ]; then
+    # 270 + 60 + 250 s: one device call of at most 600 s.
+    timeout 270 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 200 -rfE -p no:cacheprovider tests/test_gpu_groups.py \
+        2>&1 | tee "$OUT/gpu-tests.log"
+    gpu_rc=$?
+    timeout 60 $PY -m cupy_ipc doctor 2>&1 | tee "$OUT/doctor.log"
+    doctor_rc=$?
+    timeout 250 $PY benchmarks/suite.py --watchdog 240 --only peer_matrix,all_gather --out "$OUT/results-groups" 2>&1 \
+        | tee "$OUT/bench.log"
+    bench_rc=$?
+fi
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
     timeout 380 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-tests.log"
     gpu_rc=$?
@@ -48,7 +61,7 @@ if [ "$PART" != tools ]; then
     timeout 120 $PY -m cupy_ipc doctor 2>&1 | tee "$OUT/doctor.log"
     doctor_rc=$?
 fi
-if [ "$PART" != tests ]; then
+if [ "$PART" = all ] || [ "$PART" = tools ]; then
     PYTHONPATH="$SITE" timeout 330 $PY benchmarks/suite.py --watchdog 320 \
         --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,cupy_ipc-nosync,cupy_ipc-unsafe,mp,pool,vmm,torch,staging} \
         --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \

@@ -24,6 +24,12 @@ def test_without_a_gpu_the_suite_says_so():
     assert r.returncode == 1 and r.stderr.startswith("suite: no GPU:")
 
 
+def test_an_unknown_suite_step_is_refused_before_anything_runs():
+    r = subprocess.run([sys.executable, str(SUITE), "--only", "peer_matrix,all-gather"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "unknown step(s) all-gather: choose from roundtrip," in r.stderr
+
+
 def test_without_a_gpu_the_step_timer_says_so():
     if unavailable_reason() is None:
         pytest.skip("a GPU is visible: the step timer's GPU run below runs instead")
