@@ -93,6 +93,40 @@ def _print_profile(profiler: cProfile.Profile | None, title: str) -> None:
     print(f"===== profile: {title} =====\n{out.getvalue()}", flush=True)
 
 
+# --- raw runtime calls, the floor every method is compared with -----------------------
+def open_raw(handle: bytes, nbytes: int, resent: bool, mapped: dict[bytes, int]) -> tuple[Any, int]:
+    """``(float32 array, pointer)`` of a legacy handle; a re-sent handle's mapping is cached in ``mapped``."""
+    import cupy
+
+    ptr = mapped.get(handle) if resent else None
+    if ptr is None:
+        ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
+        if resent:
+            mapped[handle] = ptr
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None)
+    return cupy.ndarray((nbytes // 4,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0)), ptr
+
+
+def close_raw(ptr: int, resent: bool) -> None:
+    """Unmap a fresh buffer's mapping (a re-sent one's stays cached); its arrays must be gone."""
+    if not resent:
+        import cupy
+
+        cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+
+
+def raw_handle(arr: Any, resent: bool, cache: dict[str, Any]) -> bytes:
+    """The legacy handle of ``arr``'s memory; a re-sent buffer's is cached in ``cache``."""
+    handle = cache.get("handle") if resent else None
+    if handle is None:
+        import cupy
+
+        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(arr.data.ptr))
+        if resent:
+            cache["handle"] = handle
+    return handle
+
+
 # --- the consumer ---------------------------------------------------------------
 def consumer(method: str, inbox: Any, outbox: Any) -> None:
     import cupy
@@ -113,17 +147,10 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
             value = len(msg)
         elif method == "raw":
             handle, nbytes, resent = msg
-            ptr = mapped.get(handle) if resent else None
-            if ptr is None:
-                ptr = cupy.cuda.runtime.ipcOpenMemHandle(handle)
-                if resent:
-                    mapped[handle] = ptr
-            mem = cupy.cuda.UnownedMemory(ptr, nbytes, None)
-            arr = cupy.ndarray((nbytes // 4,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+            arr, ptr = open_raw(handle, nbytes, resent, mapped)
             value = float(arr[0])
-            del arr, mem
-            if not resent:
-                cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+            del arr
+            close_raw(ptr, resent)
         elif method == "cupy_ipc" or method in VARIANTS:
             from cupy_ipc import IpcArrayHandle
 
@@ -152,12 +179,7 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
     if method == "bare":
         return b"x" * 200
     if method == "raw":
-        handle = cache.get("handle") if resent else None
-        if handle is None:
-            handle = cupy.cuda.runtime.ipcGetMemHandle(arr.data.ptr)
-            if resent:
-                cache["handle"] = handle
-        return (handle, arr.nbytes, resent)
+        return (raw_handle(arr, resent, cache), arr.nbytes, resent)
     if method == "cupy_ipc" or method in VARIANTS:
         import cupy_ipc
 
@@ -167,7 +189,7 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
     return cupy.asnumpy(arr)
 
 
-def _new_buffer(method: str, nbytes: int, value: int) -> Any:
+def new_buffer(method: str, nbytes: int, value: int) -> Any:
     import cupy
 
     if method == "torch":
@@ -196,7 +218,7 @@ def _shareable_pool() -> Any:
     return _pool[0]
 
 
-def _free(method: str) -> None:
+def free_buffers(method: str) -> None:
     # Untimed: give the memory back so the next fresh buffer is a new allocation.
     import cupy
 
@@ -211,6 +233,8 @@ def _free(method: str) -> None:
         torch.cuda.empty_cache()
     cupy.cuda.runtime.deviceSynchronize()
     cupy.get_default_memory_pool().free_all_blocks()
+    if method == "pool":
+        _shareable_pool().free_all_blocks()
 
 
 def receive(source: Any, proc: Any, timeout: float, who: str) -> Any:
@@ -277,10 +301,10 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
         for nbytes, resent, iters, warmup in cases:
             times: list[float] = []
             cache: dict[str, Any] = {}
-            arr = _new_buffer(method, nbytes, 1) if resent else None
+            arr = new_buffer(method, nbytes, 1) if resent else None
             for i in range(warmup + iters):
                 if not resent:
-                    arr = _new_buffer(method, nbytes, 1)
+                    arr = new_buffer(method, nbytes, 1)
                     if VARIANTS.get(method, {}).get("sync") is False:
                         cupy.cuda.get_current_stream().synchronize()  # untimed: what the user then owes
                 if profiler is not None:
@@ -297,9 +321,9 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
                     times.append(elapsed)
                 if not resent:
                     arr = None
-                    _free(method)
+                    free_buffers(method)
             arr = None
-            _free(method)
+            free_buffers(method)
             report((nbytes, method, resent), times)
         _print_profile(profiler, f"{method} producer")
     finally:

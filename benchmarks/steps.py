@@ -8,6 +8,10 @@ function, for each method (``raw`` calls, ``cupy_ipc`` with safety on,
 ``cupy_ipc-unsafe`` with it off, and ``pool``: arrays of a
 ``ShareableMemoryPool``, safety on) and for fresh and re-sent buffers.
 
+``--profile`` runs each side's library calls under ``cProfile`` instead of
+the step timers and prints, per method and side, the Python calls made per
+message and the functions that take the most time of their own.
+
 Usage::
 
     python benchmarks/steps.py --iters 300
@@ -19,18 +23,25 @@ import argparse
 import collections
 import importlib
 import multiprocessing
+import os
 import statistics
 import sys
 import time
 from typing import Any
 
-PRODUCER = ("_array_handle._template", "_array_handle._memory_handle", "_cuda.pointer_info", "_keepalive.pin",
-            "_keepalive.sweep", "_cuda.stream_idle", "_events.IpcEvent.get_ipc_handle", "_array_handle.splice",
-            "_segment.own_segment")
-CONSUMER = ("_array_handle.check_same_host", "_cuda.ordinal_of_uuid", "_array_handle._default_device",
-            "_cuda.can_access_peer", "_segment.attach", "_mapping.acquire", "_mapping._claim", "_mapping._map",
-            "_mapping._import", "_mapping._checked", "_array_handle.open_cached", "_events.IpcEvent.query",
-            "_events.IpcEvent.wait_from", "_mapping._release", "_cuda.stream_idle", "_mapping._finish",
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from roundtrip import close_raw, free_buffers, new_buffer, open_raw, raw_handle  # noqa: E402
+
+PRODUCER = ("_array_handle._template", "_array_handle._memory_handle", "_cuda.legacy_info", "_cuda.pointer_info",
+            "_array_handle.validate_layout", "_array_handle.pack_array", "_array_handle._ById.set",
+            "_keepalive.pin", "_keepalive.sweep", "_cuda.stream_idle", "_events.IpcEvent.get_ipc_handle",
+            "_array_handle.splice", "_segment.own_segment")
+CONSUMER = ("_array_handle.unpack_array", "_array_handle.check_same_host", "_cuda.ordinal_of_uuid",
+            "_array_handle._default_device", "_cuda.can_access_peer", "_segment.attach", "_mapping.acquire",
+            "_mapping._claim", "_mapping._map", "_mapping._import", "_mapping._checked", "_array_handle.open_cached",
+            "_events.IpcEvent.query", "_events.IpcEvent.wait_from", "_mapping._release", "_cuda.stream_idle",
+            "_mapping._finish", "_mapping._drop_user", "_mapping._Mapping.unmap", "_mapping._unclaim",
             "_mapping._trim_idle", "_pools.import_pointer", "_pools.free_imported")
 # get_ipc_handle's options by method (None: raw runtime calls); "pool": arrays of a ShareableMemoryPool.
 METHODS = {"raw": None, "cupy_ipc": {}, "cupy_ipc-unsafe": {"sync": False, "keepalive": False}, "pool": {}}
@@ -69,88 +80,126 @@ class Laps:
         self.steps[step], self.t = now - self.t, now
 
 
-def consumer(conn: Any, idle: int | None, no_gc: bool) -> None:
+class Profiles:
+    """One ``cProfile`` per case, enabled around the library calls of a message (``with profiles(case):``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.by_case: dict[Any, Any] = {}
+        self.case: Any = None
+
+    def __call__(self, case: Any) -> "Profiles":
+        self.case = case
+        return self
+
+    def __enter__(self) -> None:
+        if self.enabled:
+            import cProfile
+
+            self.by_case.setdefault(self.case, cProfile.Profile()).enable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.by_case[self.case].disable()
+
+    def report(self, side: str, messages: int, top: int = 15) -> None:
+        import pstats
+
+        for (method, resent), profile in self.by_case.items():
+            # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+            stats = pstats.Stats(profile).stats
+            calls = sum(v[1] for v in stats.values())
+            print(f"\n{method}, {'re-sent' if resent else 'fresh'}, {side}: {calls / messages:.0f} Python calls "
+                  f"per message; own time per message, µs:")
+            rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+            for (path, line, name), (n, _, own, cum, _) in rows:
+                where = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if line else name
+                print(f"  {own / messages * 1e6:8.2f} own {cum / messages * 1e6:8.2f} cum "
+                      f"{n / messages:6.2f}x  {where}")
+        sys.stdout.flush()
+
+
+def consumer(conn: Any, idle: int | None, no_gc: bool, profile: bool = False) -> None:
     import gc
 
-    import cupy
-
     import cupy_ipc
-    from cupy_ipc import IpcArrayHandle
 
     if no_gc:
         gc.disable()
     if idle is not None:
         cupy_ipc.set_idle_mapping_limit(idle)
-    spent = instrument(CONSUMER)
+    spent = instrument(() if profile else CONSUMER)
+    profiles = Profiles(profile)
     mapped: dict[bytes, int] = {}
+    counted: collections.Counter[Any] = collections.Counter()
     while (msg := conn.recv()) is not None:
         method, data, nbytes, resent = msg
         spent.clear()
+        counted[(method, resent)] += 1
         lap = Laps()
-        if method == "raw":
-            ptr = mapped.get(data) if resent else None
-            if ptr is None:
-                ptr = cupy.cuda.runtime.ipcOpenMemHandle(data)
-                if resent:
-                    mapped[data] = ptr
-            arr = cupy.ndarray((nbytes // 4,), cupy.float32,
-                               cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, nbytes, None), 0))
-        else:
-            h = IpcArrayHandle.from_bytes(data)
-            lap("parse")
-            arr = h.open()
-        lap("open")
-        value = float(arr[0])
-        lap("read")
-        if method == "raw":
-            del arr
-            if not resent:
-                cupy.cuda.runtime.ipcCloseMemHandle(ptr)
-        else:
-            h.close()
-            del arr
-        lap("close")
-        conn.send((value, lap.steps, dict(spent)))
+        with profiles((method, resent)):
+            value, steps = _consume(method, data, nbytes, resent, mapped, lap)
+        conn.send((value, steps, dict(spent)))
+    profiles.report("consumer", max(counted.values(), default=1))
 
 
-def run(iters: int, nbytes: int, idle: int | None = None,
-        no_gc: bool = False) -> dict[tuple[str, bool], dict[str, list[float]]]:
+def _consume(method: str, data: bytes, nbytes: int, resent: bool, mapped: dict[bytes, int],
+             lap: Laps) -> tuple[float, dict[str, int]]:
+    from cupy_ipc import IpcArrayHandle
+
+    if method == "raw":
+        arr, ptr = open_raw(data, nbytes, resent, mapped)
+    else:
+        h = IpcArrayHandle.from_bytes(data)
+        lap("parse")
+        arr = h.open()
+    lap("open")
+    first = arr[0]
+    lap("index")
+    value = float(first)
+    del first  # a view: it holds the mapping too
+    lap("read")
+    if method == "raw":
+        del arr
+        close_raw(ptr, resent)
+    else:
+        h.close()
+        del arr
+    lap("close")
+    return value, lap.steps
+
+
+def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
+        profile: bool = False) -> dict[tuple[str, bool], dict[str, list[float]]]:
     import gc
-
-    import cupy
 
     import cupy_ipc
 
     if no_gc:
         gc.disable()
-    spent = instrument(PRODUCER)
-    pool = cupy_ipc.ShareableMemoryPool()
-
-    def new() -> Any:
-        with cupy.cuda.using_allocator(pool.malloc if method == "pool" else None):
-            return cupy.full(nbytes // 4, 1, cupy.float32)
-
+    spent = instrument(() if profile else PRODUCER)
+    profiles = Profiles(profile)
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=consumer, args=(child, idle, no_gc), daemon=True)
+    proc = ctx.Process(target=consumer, args=(child, idle, no_gc, profile), daemon=True)
     proc.start()
     out: dict[tuple[str, bool], dict[str, list[float]]] = {}
     try:
         for method, options in METHODS.items():
             for resent in (False, True):
                 rows: dict[str, list[float]] = collections.defaultdict(list)
-                arr = new()
-                cached = None
+                arr = new_buffer(method, nbytes, 1)  # "pool": of a ShareableMemoryPool, else CuPy's pool
+                cache: dict[str, Any] = {}
                 for i in range(iters + 20):
                     if not resent:
-                        arr = new()
+                        arr = new_buffer(method, nbytes, 1)
                     spent.clear()
                     t0 = time.perf_counter_ns()
                     if options is None:
-                        data = cached if resent and cached else bytes(cupy.cuda.runtime.ipcGetMemHandle(arr.data.ptr))
-                        cached = data
+                        data = raw_handle(arr, resent, cache)
                     else:
-                        data = cupy_ipc.get_ipc_handle(arr, **options).to_bytes()
+                        with profiles((method, resent)):
+                            data = cupy_ipc.get_ipc_handle(arr, **options).to_bytes()
                     t1 = time.perf_counter_ns()
                     conn.send((method, data, nbytes, resent))
                     value, steps, theirs = conn.recv()
@@ -169,13 +218,12 @@ def run(iters: int, nbytes: int, idle: int | None = None,
                         rows[f"  consumer {k}"].append(v)
                     if not resent:
                         del arr
-                        cupy_ipc.collect()
-                        cupy.get_default_memory_pool().free_all_blocks()
-                        pool.free_all_blocks()
+                        free_buffers(method)
                 out[(method, resent)] = rows
     finally:
         conn.send(None)
         proc.join(10)
+    profiles.report("producer", iters + 20)
     return out
 
 
@@ -185,13 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", type=int, default=1 << 20)
     parser.add_argument("--idle", type=int, help="the consumer's idle mapping limit (default: the library's)")
     parser.add_argument("--no-gc", action="store_true", help="both sides run with the garbage collector off")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each side's library calls (then the step times include the profiler's cost)")
     args = parser.parse_args(argv)
     from cupy_ipc._cuda import unavailable_reason
 
     if reason := unavailable_reason():
         print(f"steps: no GPU: {reason}", file=sys.stderr)
         return 1
-    for (method, resent), rows in run(args.iters, args.bytes, args.idle, args.no_gc).items():
+    for (method, resent), rows in run(args.iters, args.bytes, args.idle, args.no_gc, args.profile).items():
         print(f"\n{method}, {'re-sent' if resent else 'fresh'}: median µs (messages where the step ran)")
         for name, values in rows.items():
             print(f"  {name:<48} {statistics.median(values) / 1e3:9.1f}  ({len(values)})")

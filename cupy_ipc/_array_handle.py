@@ -47,8 +47,7 @@ _HANDLE_CACHE_SIZE = 4096
 def _memory_handle(base: int, buffer_id: int) -> bytes:
     raw = _handle_cache.get(buffer_id)
     if raw is None:
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
         if len(_handle_cache) >= _HANDLE_CACHE_SIZE:
             _handle_cache.clear()
@@ -61,8 +60,8 @@ def _memory_handle(base: int, buffer_id: int) -> bytes:
 _warned_across: set[tuple[int, int]] = set()
 
 
-def _default_device(home: int) -> int:
-    """Where ``open()`` maps by default: the current GPU, if it can reach the memory's GPU ``home``.
+def _default_device(home: int, current: int) -> int:
+    """Where ``open()`` maps by default: the ``current`` GPU, if it can reach the memory's GPU ``home``.
 
     An IPC mapping is reachable only from the GPU it was made on (measured:
     a kernel of another GPU reading it faults, peer access or not), while CuPy
@@ -70,9 +69,6 @@ def _default_device(home: int) -> int:
     current GPU; without peer access it stays ``home``, where CuPy refuses
     cross-GPU use with a clear error instead.
     """
-    from cupy.cuda import runtime
-
-    current = _cuda.call("reading the current device", runtime.getDevice)
     if current == home or not _cuda.can_access_peer(current, home):
         return home
     if (current, home) not in _warned_across:
@@ -139,37 +135,45 @@ class _ById:
 _by_array = _ById()  # array -> (fields, static wire bytes)
 
 
-def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, bytes]:
+def _template(arr: Any, cacheable: bool) -> tuple[ArrayFields, bytes]:
     """The handle fields of a non-empty array with no export part, and their wire form."""
-    hit = _by_array.get(arr)
-    if hit is not None:
-        return hit
+    dtype = dtype_of(arr.dtype)
     owner = getattr(arr.data.mem, "_owner", None)
     # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
     device = owner.memory_device if isinstance(owner, _mapping.Lease) else arr.data.device_id
     lease = _received_lease(owner)
+    if lease is not None and lease.mapping_key[1] == Kind.VMM:
+        # Mapped here from the producer's pieces: sent on as this process's own
+        # virtual memory, with the descriptors it imported them from.
+        with _cuda.using_device(lease.mapping_key[0]):
+            _vmm.send_on(lease.ptr, lease.mapping_key[0])
+        lease = None
     kind, fd, resource, more = Kind.LEGACY, -1, 0, ()
     if lease is not None:
-        if lease.mapping_key[1] != Kind.LEGACY:
-            raise IpcError("an array this process received by file descriptor cannot be passed on yet: send the "
-                           "producer's own handle to the third process instead")
         # Opened from another process: send on the original allocation's
-        # handle; this process pins the array, and with it its own claim.
-        info = _cuda.pointer_info(lease.ptr)
+        # handle (or pool export data); this process pins the array, and with
+        # it its own claim on the original export.
+        buffer_id = _cuda.pointer_info(lease.ptr).buffer_id
         memory_handle, base, size = lease.memory_handle, lease.ptr, lease.allocation_size
+        if lease.mapping_key[1] == Kind.POOL:  # with this process's descriptor of the imported pool
+            kind = Kind.POOL
+            fd, resource = _pools.send_on(lease.mapping_key[2], lease.mapping_key[4])
+    elif (legacy := _cuda.legacy_info(arr.data.ptr)) is not None:
+        base, size, buffer_id = legacy
+        memory_handle = _memory_handle(base, buffer_id)
     else:
         info = _cuda.pointer_info(arr.data.ptr)
         if info.memory_type != "device":
             raise IpcError(_KIND_ADVICE[info.memory_type])
-        base, size = info.base, info.size
-        if info.legacy_ipc:
+        base, size, buffer_id = info.base, info.size, info.buffer_id
+        if info.legacy_ipc:  # only if the allocation changed since the first query
             memory_handle = _memory_handle(info.base, info.buffer_id)
         elif pool := _pools.pool_of(base):
             memory_handle, fd, resource = _pools.export(base, pool)
             kind = Kind.POOL
             if len(_exported) >= _HANDLE_CACHE_SIZE:
                 _exported.clear()
-            _exported[memory_handle] = (base, info.buffer_id)
+            _exported[memory_handle] = (base, buffer_id)
         elif _vmm.is_vmm(base):
             # Virtual memory is mapped piece by piece (PyTorch's expandable
             # segments): share every piece the array reaches.
@@ -178,7 +182,7 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
                 pieces = _vmm.export_pieces(arr.data.ptr + lo, arr.data.ptr + hi, device)  # binds a context
                 _vmm.sweep()
             base, size = pieces[0][0], sum(p[1] for p in pieces)
-            info = info._replace(buffer_id=pieces[0][4])
+            buffer_id = pieces[0][4]
             fd, resource = pieces[0][2], pieces[0][3]
             more = tuple((p[2], p[1]) for p in pieces[1:])
             memory_handle, kind = _NO_HANDLE, Kind.VMM
@@ -189,7 +193,7 @@ def _template(arr: Any, dtype: np.dtype, cacheable: bool) -> tuple[ArrayFields, 
                 "means?), so cupy_ipc cannot share it; copy it into an array of CuPy's default MemoryPool"
             )
     fields = ArrayFields(
-        kind, 0, dtype, memory_handle, arr.data.ptr - base, size, base, info.buffer_id,
+        kind, 0, dtype, memory_handle, arr.data.ptr - base, size, base, buffer_id,
         DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides,
         fd, resource, more,
     )
@@ -275,30 +279,26 @@ def get_ipc_handle(
     if lease is not None and lease <= 0:
         raise ValueError("lease must be a positive number of seconds")
     arr = _as_cupy(array)
-    dtype = dtype_of(arr.dtype)
-    device = arr.data.device_id
     if arr.size == 0:
-        fields = ArrayFields(Kind.EMPTY, 0, dtype, _NO_HANDLE, 0, 0, 0, 0, DeviceId(device, _cuda.device_uuid(device)),
-                             this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides)
+        device = arr.data.device_id
+        fields = ArrayFields(Kind.EMPTY, 0, dtype_of(arr.dtype), _NO_HANDLE, 0, 0, 0, 0,
+                             DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE,
+                             arr.shape, arr.strides)
         return IpcArrayHandle._make(fields)
-    template, static = _template(arr, dtype, cacheable=arr is array)
-    export_id = slot = 0
-    event = _NO_HANDLE
-    flags = 0
-    if keepalive or sync:
-        with _cuda.using_device(device):
-            export_id, slot, ev = _keepalive.pin(
-                array if keepalive else None, nbytes=template.allocation_size, device=device, consumers=consumers,
-                lease=lease, stream_ptr=_cuda.stream_ptr(stream) if sync else None,
-                description=(arr.shape, dtype),
-            )
-        if keepalive:
-            flags |= FLAG_KEEPALIVE
-        if ev is not None:
-            flags |= FLAG_EVENT
-            event = ev
-    else:
+    template, static = _by_array.get(arr) or _template(arr, arr is array)
+    if not (keepalive or sync):
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
+        return IpcArrayHandle._make(template, static)
+    device = arr.data.device_id  # where the producer's stream and its event live
+    with _cuda.using_device(device):
+        export_id, slot, event = _keepalive.pin(
+            array if keepalive else None, template.allocation_size, device, consumers, lease,
+            _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
+    flags = FLAG_KEEPALIVE if keepalive else 0
+    if event is not None:
+        flags |= FLAG_EVENT
+    else:
+        event = _NO_HANDLE
     return IpcArrayHandle._make(with_export(template, flags, export_id, slot, event),
                                 splice(static, flags, export_id, slot, event))
 
@@ -563,30 +563,37 @@ class IpcArrayHandle:
         f = self._f
         check_same_host(f.producer)
         home = _cuda.ordinal_of_uuid(f.device.uuid)
-        target = _default_device(home) if device is None else _cuda.checked_ordinal(device)
+        current = _cuda.call("reading the current device", _cuda.rt().getDevice)
+        target = _default_device(home, current) if device is None else _cuda.checked_ordinal(device)
         if f.kind == Kind.EMPTY:
             with cupy.cuda.Device(target):
                 arr = cupy.empty(f.shape, f.dtype)
             _opened_unmapped.set(arr, OpenInfo(target, home, copied=False))
             return arr
-        peer = _cuda.can_access_peer(target, home)
-        staged = target != home and (copy or not peer)
-        if target != home and not peer and not copy:
-            raise IpcError(
-                f"GPU {target} ({_cuda.uuid_name(target)}) cannot access the memory of GPU {home} "
-                f"({_cuda.uuid_name(home)}), where this array lives: there is no peer access between them. "
-                f"Open it with copy=True to stage a copy on GPU {target}, or open it on GPU {home}"
-            )
-        with _cuda.using_device(target):
-            stream_obj = cupy.cuda.get_current_stream() if stream is None else _cuda.as_cupy_stream(stream)
+        staged = False
+        if target != home:
+            peer = _cuda.can_access_peer(target, home)
+            staged = copy or not peer
+            if not peer and not copy:
+                raise IpcError(
+                    f"GPU {target} ({_cuda.uuid_name(target)}) cannot access the memory of GPU {home} "
+                    f"({_cuda.uuid_name(home)}), where this array lives: there is no peer access between them. "
+                    f"Open it with copy=True to stage a copy on GPU {target}, or open it on GPU {home}"
+                )
+        if stream is not None:
+            stream_obj = _cuda.as_cupy_stream(stream)
+        elif target == current:
+            stream_obj = cupy.cuda.get_current_stream()
+        else:
+            with _cuda.using_device(target):
+                stream_obj = cupy.cuda.get_current_stream()
         if not staged:
             return self._mapped(target, home, stream_obj, target)
         # Map on the memory's GPU, copy to the target on the consumer's
         # stream, and let the mapping go once that copy is done.
         src = self._mapped(home, home, stream_obj, target)
         lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         with _cuda.using_device(target):
             dst = cupy.cuda.alloc(hi - lo)
             _cuda.call("copying the array between GPUs", runtime.memcpyPeerAsync, dst.ptr, target,
@@ -601,7 +608,8 @@ class IpcArrayHandle:
         import cupy
 
         f = self._f
-        from_us = f.producer.token == this_process().token
+        producer = f.producer
+        from_us = producer.token == this_process().token
         keep = own_ptr = None
         if from_us:
             keep = _keepalive.lookup(f.export_id) if f.export_id else None
@@ -615,36 +623,33 @@ class IpcArrayHandle:
             _cuda.enable_peer_access(map_device, home)  # CUDA IPC would have done it for an import
         # Raises ProducerExitedError if the producer is gone; in our own
         # process it is a second open file, so that our locks are separate.
-        seg = _segment.attach(f.producer.token, f.producer.pid)
+        seg = _segment.attach(producer.token, producer.pid)
+        importer = None
         if own_ptr is not None:
             key: tuple[Any, ...] = (map_device, "own", buffer_id)
-        elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
-            key = (map_device, f.kind, f.producer.token, f.buffer_id)
-        elif f.kind == Kind.VMM:
-            key = (map_device, f.kind, f.producer.token, f.resource, f.allocation_size)
-        else:
+        elif f.kind == Kind.LEGACY:
             key = (map_device, f.kind, f.memory_handle)
-        importer = None
-        if f.kind == Kind.POOL and own_ptr is None:
+        elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
+            key = (map_device, f.kind, producer.token, f.buffer_id, f.resource)
             importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds), _pools.free_imported)
-        elif f.kind == Kind.VMM and own_ptr is None:
+        else:
+            key = (map_device, f.kind, producer.token, f.resource, f.allocation_size)
             pieces = _vmm.pieces_of(f)
-            importer = (lambda: _vmm.import_mapping(f.producer.pid, pieces, map_device, self._take_fds()),
+            importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
                         lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]))
         with _cuda.using_device(map_device):
             ptr, lease = _mapping.acquire(
-                key=key, device=map_device, memory_handle=f.memory_handle, allocation_size=f.allocation_size,
-                own_ptr=own_ptr, keep=keep, segment=seg, producer_token=f.producer.token,
-                producer_pid=f.producer.pid, export_id=f.export_id, slot=f.slot, stream=stream_obj,
-                stream_device=stream_device, memory_device=home, importer=importer,
-                hold_claim=f.kind == Kind.POOL,
+                key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
+                producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,
+                f.kind == Kind.POOL,
             )
-            if f.flags & FLAG_EVENT and not from_us:
-                ev = open_cached(f.event_handle, home, f.producer)
-                if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                    ev.wait_from(stream_obj.ptr, stream_device)
-            elif f.flags & FLAG_EVENT:
-                _keepalive.wait_own_event(f.export_id, stream_obj)
+            if f.flags & FLAG_EVENT:
+                if from_us:
+                    _keepalive.wait_own_event(f.export_id, stream_obj)
+                else:
+                    ev = open_cached(f.event_handle, home, producer)
+                    if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
+                        ev.wait_from(stream_obj.ptr, stream_device)
             mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
             return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
 

@@ -8,7 +8,6 @@ that the package imports, and its handles validate, on machines with no GPU.
 from __future__ import annotations
 
 import ctypes
-
 import functools
 from typing import Any, Callable, NamedTuple, TypeVar
 
@@ -25,7 +24,9 @@ __all__ = [
     "device_uuid",
     "enable_peer_access",
     "ordinal_of_uuid",
+    "legacy_info",
     "pointer_info",
+    "rt",
     "stream_idle",
     "stream_ptr",
     "unavailable_reason",
@@ -79,6 +80,18 @@ def _translated(what: str, e: Exception, error: type[IpcError] = IpcError) -> Ip
 
 
 @functools.lru_cache(maxsize=None)
+def rt() -> Any:
+    """CuPy's runtime module (``cupy.cuda.runtime``), imported on first use.
+
+    A cached call rather than ``from cupy.cuda import runtime`` in every hot
+    function: that statement runs a Python-level import helper each time.
+    """
+    from cupy.cuda import runtime
+
+    return runtime
+
+
+@functools.lru_cache(maxsize=None)
 def _runtime_error() -> type[Exception]:
     from cupy_backends.cuda.api.runtime import CUDARuntimeError
 
@@ -97,16 +110,14 @@ class using_device:
         self.ordinal = ordinal
 
     def __enter__(self) -> None:
-        from cupy.cuda import runtime
-
+        runtime = rt()
         self.previous = runtime.getDevice()
         if self.previous != self.ordinal:
             runtime.setDevice(self.ordinal)
 
     def __exit__(self, *exc: object) -> None:
         if self.previous != self.ordinal:
-            from cupy.cuda import runtime
-
+            runtime = rt()
             runtime.setDevice(self.previous)
 
 
@@ -172,8 +183,7 @@ def access_desc(device: int) -> Any:
 
 
 def device_count() -> int:
-    from cupy.cuda import runtime
-
+    runtime = rt()
     return call("counting GPUs", runtime.getDeviceCount)
 
 
@@ -201,8 +211,7 @@ def _driver_uuid(ordinal: int) -> bytes | None:
 
 
 def _runtime_uuid(ordinal: int) -> bytes:
-    from cupy.cuda import runtime
-
+    runtime = rt()
     props = call("reading device properties", runtime.getDeviceProperties, ordinal)
     return bytes(props["uuid"])[:16].ljust(16, b"\0")
 
@@ -244,8 +253,7 @@ def checked_ordinal(device: Any) -> int:
 @functools.lru_cache(maxsize=None)
 def can_access_peer(device: int, peer: int) -> bool:
     """True when kernels on ``device`` can read and write memory of ``peer``."""
-    from cupy.cuda import runtime
-
+    runtime = rt()
     return device == peer or bool(call("asking for peer access", runtime.deviceCanAccessPeer, device, peer))
 
 
@@ -256,8 +264,7 @@ def enable_peer_access(device: int, peer: int) -> None:
     """Let ``device`` access ``peer``'s memory in this process; idempotent."""
     if (device, peer) in _peers_enabled:
         return
-    from cupy.cuda import runtime
-
+    runtime = rt()
     with using_device(device):
         try:
             runtime.deviceEnablePeerAccess(peer)
@@ -325,6 +332,26 @@ def pointer_info(ptr: int) -> PointerInfo:
     return PointerInfo(int(base), int(size), int(buffer_id), kind, bool(legacy))
 
 
+@functools.lru_cache(maxsize=None)
+def _ipc_attributes() -> tuple[Any, ...]:
+    a = _driver().CUpointer_attribute
+    return (a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, a.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            a.CU_POINTER_ATTRIBUTE_BUFFER_ID, a.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE)
+
+
+def legacy_info(ptr: int) -> tuple[int, int, int] | None:
+    """``(base, size, buffer id)`` of the ``cudaMalloc`` allocation holding ``ptr``; ``None`` for other memory.
+
+    The common case of an export, in fewer attributes than :func:`pointer_info` (no enum to build).
+    """
+    driver = _driver()
+    attrs = _ipc_attributes()
+    err, values = driver.cuPointerGetAttributes(4, attrs, ptr)
+    if err != driver.CUresult.CUDA_SUCCESS or not values[3]:
+        return None
+    return int(values[0]), int(values[1]), int(values[2])
+
+
 def address_range(ptr: int) -> tuple[int, int]:
     """Base and size of the allocation (or mapping) that holds ``ptr`` (``cuMemGetAddressRange``)."""
     driver = _driver()
@@ -336,8 +363,7 @@ def address_range(ptr: int) -> tuple[int, int]:
 
 def stream_idle(ptr: int) -> bool:
     """True when every piece of work queued on the stream has finished (``cudaStreamQuery``)."""
-    from cupy.cuda import runtime
-
+    runtime = rt()
     try:  # not through call(): this runs on every export and release
         return runtime.streamQuery(ptr) == 0
     except _runtime_error() as e:
@@ -361,8 +387,7 @@ def stream_ptr(stream: Any) -> int:
 
 def stream_device(ptr: int) -> int:
     """Ordinal of the GPU a raw stream belongs to; the current GPU for the default streams."""
-    from cupy.cuda import runtime
-
+    runtime = rt()
     if ptr in (0, 1, 2):  # the legacy and per-thread default streams act on the current GPU
         return runtime.getDevice()
     driver = _driver()

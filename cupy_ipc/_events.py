@@ -21,8 +21,7 @@ _own: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictiona
 
 
 def _destroy(ptr: int, device: int) -> None:
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     try:
         with _cuda.using_device(device):
             runtime.eventDestroy(ptr)
@@ -52,8 +51,7 @@ class IpcEvent:
     __slots__ = ("_ptr", "_device", "_block", "_handle", "_opened", "_finalizer", "__weakref__")
 
     def __init__(self, *, block: bool = False) -> None:
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         _fork.check()
         flags = runtime.eventInterprocess | runtime.eventDisableTiming
         if block:
@@ -104,8 +102,7 @@ class IpcEvent:
 
     def record(self, stream: Any = None) -> None:
         """Record the event on ``stream`` (default: the current stream)."""
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         _cuda.call("recording an event", runtime.eventRecord, self.ptr, _cuda.stream_ptr(stream))
 
     def wait(self, stream: Any = None) -> None:
@@ -120,8 +117,7 @@ class IpcEvent:
 
     def wait_from(self, stream_ptr: int, stream_device: int) -> None:
         """:meth:`wait` for a raw stream of a known GPU (``0``: that GPU's default stream)."""
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         ptr = self.ptr
         if self._opened and stream_device != self._device:
             _cuda.call("synchronizing an event", runtime.eventSynchronize, ptr)
@@ -131,14 +127,12 @@ class IpcEvent:
 
     def synchronize(self) -> None:
         """Block the host until the work captured by the last record has finished."""
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         _cuda.call("synchronizing an event", runtime.eventSynchronize, self.ptr)
 
     def query(self) -> bool:
         """True when the work captured by the last record has finished."""
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         return _cuda.call("querying an event", runtime.eventQuery, self.ptr) == 0
 
     def get_ipc_handle(self) -> "IpcEventHandle":
@@ -170,8 +164,7 @@ class IpcEvent:
 
 def export_event(ptr: int, device: int, block: bool) -> "IpcEventHandle":
     """The handle of an interprocess event of this process, on GPU ``device``."""
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     raw = _cuda.call("exporting an event", runtime.ipcGetEventHandle, ptr)
     me = this_process()
     _segment.own_segment(me.token)  # lets consumers tell that we are alive
@@ -256,8 +249,7 @@ class IpcEventHandle:
         _fork.check()
         check_same_host(self._f.producer)
         _segment.attach(self._f.producer.token, self._f.producer.pid)
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         device = _cuda.ordinal_of_uuid(self._f.device.uuid)
         with _cuda.using_device(device):
             ptr = _cuda.call("opening an event handle", runtime.ipcOpenEventHandle, self._f.event_handle)
@@ -302,8 +294,7 @@ def open_cached(event_handle: bytes, device: int, producer: Producer) -> IpcEven
         if ev is not None:
             _opened.move_to_end(key)
             return ev
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     with _cuda.using_device(device):
         ptr = _cuda.call("opening the producer's ordering event", runtime.ipcOpenEventHandle, event_handle)
     ev = IpcEvent.__new__(IpcEvent)

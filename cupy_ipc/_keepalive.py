@@ -79,7 +79,7 @@ def _take_event(device: int) -> IpcEvent:
     return pool.pop() if pool else IpcEvent()
 
 
-def pin(keep: Any, *, nbytes: int, device: int, consumers: int, lease: float | None,
+def pin(keep: Any, nbytes: int, device: int, consumers: int, lease: float | None,
         stream_ptr: int | None, description: Any) -> tuple[int, int, bytes | None]:
     """Register an export; returns ``(export_id, slot, event handle or None)``.
 
@@ -89,13 +89,12 @@ def pin(keep: Any, *, nbytes: int, device: int, consumers: int, lease: float | N
     """
     seg = _segment_here()
     with _lock:
-        sweep()
+        if _pins:
+            sweep()
         event = None
         if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
             event = _take_event(device)
-            from cupy.cuda import runtime
-
-            _cuda.call("recording the ordering event", runtime.eventRecord, event.ptr, stream_ptr)
+            _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event.ptr, stream_ptr)
         slot = _free_slots.pop() if _free_slots else next(_slot_counter)
         export_id = next(_export_ids)
         seg.write(slot, export_id, PINNED)
@@ -137,14 +136,15 @@ def sweep() -> int:
     if not _pins:
         return 0
     seg = _segment_here()
-    now = time.monotonic()
+    now = None
     ended = 0
     with _lock:
-        pins = list(_pins.values())
-        for p, opens in zip(pins, seg.read_opens([p.slot for p in pins])):
-            if not p.revoked and p.deadline is not None and now >= p.deadline:
-                _revoke(seg, p)
-            if p.revoked or opens >= p.consumers:
+        for p in list(_pins.values()):
+            if not p.revoked and p.deadline is not None:
+                now = time.monotonic() if now is None else now
+                if now >= p.deadline:
+                    _revoke(seg, p)
+            if p.revoked or seg.opens(p.slot) >= p.consumers:
                 ended += _try_free(seg, p)
     return ended
 

@@ -11,13 +11,13 @@ the lease is released:
 2. then the mapping loses a user and the producer's slot loses a claim; a
    claim's last release drops the in-use lock, which lets the producer reuse
    the memory;
-3. a mapping with no users is kept idle for re-opening (up to
-   :func:`set_idle_mapping_limit`) and unmapped when evicted or collected.
-   An imported pool allocation must be freed here before its producer frees
-   it (CUDA's rule), so it is kept idle only with the last claim on it, which
-   pins the producer's memory until the mapping is evicted; and only once the
-   same allocation was released here before (a buffer sent again), so that
-   buffers sent once pin nothing.
+3. a mapping with no users is unmapped, unless the same allocation was
+   released here before (a buffer sent again): then it is kept idle for
+   re-opening (up to :func:`set_idle_mapping_limit`) and unmapped when
+   evicted or collected. An imported pool allocation must be freed here
+   before its producer frees it (CUDA's rule), so it is kept idle only with
+   the last claim on it, which pins the producer's memory until the mapping
+   is evicted.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ class _Mapping:
     def unmap(self) -> None:
         if not self.imported:
             return
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         try:
             with _cuda.using_device(self.device):
                 if self.close is not None:
@@ -112,6 +111,10 @@ def _trim_idle() -> None:
 def _discard(m: _Mapping) -> None:
     """Unmap an idle mapping, then let its producer free the memory (in that order: CUDA's rule)."""
     m.unmap()
+    _drop_held(m)
+
+
+def _drop_held(m: _Mapping) -> None:
     held, m.held = m.held, None
     _unclaim(held)
 
@@ -193,9 +196,8 @@ def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_siz
          own_ptr: int | None, importer: tuple[Callable[[], int], Callable[[int], None]] | None,
          hold_claim: bool = False) -> _Mapping:
     m = _active.get(key)
-    if m is None and (m := _idle.pop(key, None)) is not None and m.held is not None:
-        held, m.held = m.held, None
-        _unclaim(held)  # the caller's claim protects the memory now
+    if m is None and (m := _idle.pop(key, None)) is not None:
+        _drop_held(m)  # the caller's claim protects the memory now
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
@@ -210,8 +212,7 @@ def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_siz
 
 
 def _import(device: int, memory_handle: bytes, allocation_size: int) -> _Mapping:
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     with _cuda.using_device(device):
         ptr = _cuda.call(
             "opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
@@ -256,15 +257,18 @@ def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> boo
     if m.users:
         return False
     del _active[key]
-    if _idle_limit and m.close is None:
-        _idle[key] = m
-        _trim_idle()
+    if not m.imported:  # the producer's own memory: nothing to unmap or keep
         return False
-    if _idle_limit and m.hold_claim and claim_key is not None and _released_before(key):
-        m.held = claim_key
+    # Only an allocation released here before (a buffer sent again) is kept
+    # idle: one sent once is unmapped now, as a plain close would, rather than
+    # later by the eviction of an older mapping (whose producer may have freed
+    # it, which makes that unmap the one that frees the memory).
+    held = m.hold_claim and claim_key is not None
+    if _idle_limit and (m.close is None or held) and _released_before(key):
+        m.held = claim_key if held else None
         _idle[key] = m
         _trim_idle()
-        return True
+        return held
     # Other imports are unmapped here, before the claim goes: the producer may
     # free a pool allocation only once every importer has (CUDA's rule).
     m.unmap()
@@ -361,8 +365,7 @@ def _reaper() -> "queue.SimpleQueue[Any]":
 
 
 def _reap(q: "queue.SimpleQueue[Any]") -> None:
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     while True:
         done, device, then, args = q.get()
         try:
@@ -370,10 +373,13 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
             done.synchronize()
         except Exception as e:
             warnings.warn(f"cupy_ipc: waiting for a consumer's work failed: {e}", RuntimeWarning, stacklevel=1)
-        then(*args)
+        try:
+            then(*args)
+        except Exception as e:  # this thread serves every later release: it must not end
+            warnings.warn(f"cupy_ipc: releasing a mapping failed: {e}", RuntimeWarning, stacklevel=1)
 
 
-def acquire(*, key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
+def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any,
             stream_device: int | None = None, memory_device: int | None = None,

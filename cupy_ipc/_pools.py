@@ -20,12 +20,14 @@ from typing import Any, Callable
 from . import _cuda
 from ._errors import IpcError
 
-__all__ = ["export", "exports_fd", "forget", "import_pointer", "pool_of", "received_fd", "ShareableMemoryPool"]
+__all__ = ["export", "exports_fd", "forget", "import_pointer", "pool_of", "received_fd", "send_on",
+           "ShareableMemoryPool"]
 
 EXPORT_BYTES = 64
 _lock = threading.Lock()
 _ids = itertools.count(1)
-_exports: dict[int, tuple[int, int]] = {}  # producer: pool handle -> (descriptor, pool id)
+# producer: pool handle -> (descriptor, pool id); also pools imported here whose allocations it sends on
+_exports: dict[int, tuple[int, int]] = {}
 _imports: dict[tuple[bytes, int], tuple[Any, int]] = {}  # consumer: (producer token, pool id) -> (pool, descriptor)
 _access: set[tuple[int, int]] = set()  # consumer: (pool handle, device) given read/write access
 
@@ -66,6 +68,20 @@ def export(ptr: int, pool: int) -> tuple[bytes, int, int]:
     err, data = driver.cuMemPoolExportPointer(ptr)
     _cuda.check("exporting the pool allocation", err)
     return ctypes.string_at(data.getPtr(), EXPORT_BYTES), hit[0], hit[1]
+
+
+def send_on(token: bytes, pool_id: int) -> tuple[int, int]:
+    """``(descriptor, pool id)`` with which this process sends on allocations of the pool it imported from
+    the producer ``token`` (its ``pool_id`` there): its own descriptor of that pool, under an id of its own."""
+    with _lock:
+        hit = _imports.get((token, pool_id))
+        if hit is None:
+            raise IpcError("this process no longer holds the pool this array was allocated from")
+        pool, fd = hit
+        own = _exports.get(int(pool))
+        if own is None:
+            own = _exports[int(pool)] = (fd, next(_ids))
+        return own
 
 
 def producer_fd(pool_id: int) -> int | None:
@@ -128,8 +144,7 @@ def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tup
 
     ``descriptors()``, called only if this process has not imported the pool yet: the pool's descriptor, the
     caller's no more, or ``None`` to take it from the producer with ``pidfd_getfd``."""
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     driver = _driver()
     runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
     pool = _imported_pool(f.producer.token, f.resource, f.producer.pid, f.fd, descriptors)
@@ -223,8 +238,7 @@ class ShareableMemoryPool:
         return self._allocator.malloc(size)
 
     def _attribute(self, name: str) -> int:
-        from cupy.cuda import runtime
-
+        runtime = _cuda.rt()
         pool = self._pools.get(runtime.getDevice())
         return 0 if pool is None else int(runtime.memPoolGetAttribute(int(pool), getattr(runtime, name)))
 
@@ -242,8 +256,8 @@ class ShareableMemoryPool:
     def free_all_blocks(self, stream: Any = None) -> None:
         """Give the current GPU's unused memory back to the driver (after ``stream``'s frees)."""
         import cupy
-        from cupy.cuda import runtime
 
+        runtime = _cuda.rt()
         (stream or cupy.cuda.get_current_stream()).synchronize()
         pool = self._pools.get(runtime.getDevice())
         if pool is not None:

@@ -168,9 +168,9 @@ class Segment:
             return 0, 0, FREE  # past the end: never written
         return _RECORD.unpack_from(self.mm, at)  # type: ignore[arg-type]
 
-    def read_opens(self, slots: list[int]) -> list[int]:
-        """The ``opens`` counts of several slots."""
-        return [self.read(s)[1] for s in slots]
+    def opens(self, slot: int) -> int:
+        """The ``opens`` count of a slot."""
+        return self.read(slot)[1]
 
     def write(self, slot: int, export_id: int, state: int, opens: int = 0) -> None:
         at = _DATA_START + slot * _RECORD.size

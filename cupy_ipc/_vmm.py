@@ -24,7 +24,7 @@ from ._errors import IpcError
 from ._wire import MAX_PIECES
 
 __all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm", "pieces_of",
-           "producer_fd", "sweep", "unmap"]
+           "producer_fd", "send_on", "sweep", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -37,6 +37,9 @@ _ids = itertools.count(1)
 _Key = tuple[int, int, int]
 _exports: dict[int, tuple[int, _Key]] = {}
 _by_mapping: dict[_Key, int] = {}
+# consumer: the descriptors of each mapping made by import_mapping (first address -> one per piece; -1 once
+# handed to _exports by send_on).
+_kept: dict[int, list[int]] = {}
 
 NOT_SHAREABLE = (
     "this memory comes from CUDA's virtual memory API (cuMemCreate) without a shareable handle type, and no "
@@ -137,8 +140,7 @@ def sweep() -> int:
 def export_pieces(lo: int, hi: int, device: int) -> list[tuple[int, int, int, int, int]]:
     """Export every mapped piece covering addresses ``[lo, hi)`` of ``device``'s memory: ``(base, size,
     descriptor, id, buffer id)`` each. Leaves ``device`` current."""
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     # The driver calls need a current context, which a thread of its own (a queue's feeder) lacks until
     # the runtime binds one.
     runtime.setDevice(device)
@@ -169,34 +171,69 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
     """Import the producer's pieces and map them, in order, at new addresses for ``device``; the first address.
 
     ``given``: the pieces' descriptors, received with the handle; else each is taken from the producer.
+    The descriptors stay open while the mapping lives, so that an array of it can be sent on
+    (:func:`send_on`); :func:`unmap` closes them.
     """
-    from cupy.cuda import runtime
-
+    runtime = _cuda.rt()
     from ._descriptors import take_fd
 
     driver = _driver()
     runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
-    fds = list(given) if given is not None else []
+    given_fds = list(given) if given is not None else []
+    fds: list[int] = []
     handles: list[tuple[Any, int]] = []
     try:
         for k, (number, size) in enumerate(pieces):
-            fd = fds[k] if k < len(fds) else take_fd(pid, number)
-            try:
-                err, handle = driver.cuMemImportFromShareableHandle(fd, _cuda.posix_fd())
-                _cuda.check("importing the producer's allocation", err)
-            finally:
-                os.close(fd)  # the imported handle holds the memory
-                if k < len(fds):
-                    fds[k] = -1
+            fd = given_fds[k] if k < len(given_fds) else take_fd(pid, number)
+            if k < len(given_fds):
+                given_fds[k] = -1
+            fds.append(fd)
+            err, handle = driver.cuMemImportFromShareableHandle(fd, _cuda.posix_fd())
+            _cuda.check("importing the producer's allocation", err)
             handles.append((handle, size))
     except BaseException:
-        for fd in fds:
-            if fd >= 0:
-                os.close(fd)
+        _close(fds + given_fds)
         for handle, _ in handles:
             driver.cuMemRelease(handle)
         raise
-    return _map_and_release(handles, device)
+    try:
+        ptr = _map_and_release(handles, device)  # releases the handles
+    except BaseException:
+        _close(fds)
+        raise
+    with _lock:
+        _kept[ptr] = fds
+    return ptr
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+
+
+def send_on(ptr: int, device: int) -> None:
+    """Let this process export the pieces of its mapping at ``ptr`` for ``device`` (made by
+    :func:`import_mapping`) with the descriptors it imported them from: an imported allocation cannot be
+    exported again. Leaves ``device`` current."""
+    with _lock:
+        fds = _kept.get(ptr)
+    if fds is None:
+        return
+    _cuda.rt().setDevice(device)  # binds the context, which a queue's feeder thread lacks
+    at = ptr
+    for k, fd in enumerate(fds):
+        base, size = _cuda.address_range(at)
+        err, handle = _handle_at(base)
+        _cuda.check("finding the allocation behind the pointer", err)
+        key = (base, _cuda.pointer_info(base).buffer_id, handle)
+        with _lock:
+            if key not in _by_mapping and fd >= 0:
+                alloc_id = next(_ids)
+                _exports[alloc_id] = (fd, key)  # closed by the sweep once unmapped
+                _by_mapping[key] = alloc_id
+                fds[k] = -1
+        at = base + size
 
 
 def _map_and_release(handles: list[tuple[Any, int]], device: int) -> int:
@@ -240,6 +277,9 @@ def _unmap(ptr: int, sizes: list[int], total: int) -> list[Any]:
 
 def unmap(ptr: int, sizes: list[int]) -> None:
     """Undo :func:`import_mapping` (or a mapping of :func:`allocate`): unmap each piece, free the addresses."""
+    with _lock:
+        kept = _kept.pop(ptr, [])
+    _close(kept)
     for err in _unmap(ptr, sizes, sum(sizes)):
         _cuda.check("unmapping the producer's allocation", err)
 
@@ -248,6 +288,7 @@ def forget() -> None:
     """After fork: the parent's descriptors are not this process's to hand out."""
     _exports.clear()
     _by_mapping.clear()
+    _kept.clear()
 
 
 class _Owner:
@@ -271,8 +312,8 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
     Usable as a CuPy allocator: ``cupy.cuda.using_allocator(allocate)``.
     """
     import cupy
-    from cupy.cuda import runtime
 
+    runtime = _cuda.rt()
     driver = _driver()
     device = runtime.getDevice()
     runtime.setDevice(device)  # the context, current for the driver calls

@@ -58,6 +58,9 @@ class Kind:
 
 
 _ARRAY = struct.Struct("<4sHBBB4s64sQQQQi16si16s16s32sQI64s")
+# The array header up to the device and producer fields, and those fields (the origin).
+_BODY = struct.Struct("<4sHBBB4s64sQQQQ")
+_ORIGIN = struct.Struct("<i16si16s16s32s")
 _EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
 # What changes between two exports of one array: flags (offset 7), and export
 # id, slot and event (offset 197). The rest is the array's static part.
@@ -85,6 +88,10 @@ _DTYPES = {
         np.complex128,
     )
 }
+
+
+# The dtype field as written (dtype.str, NUL-padded to 4 bytes) -> the dtype.
+_DTYPE_FIELDS = {dt.str.encode().ljust(4, b"\0"): dt for dt in _DTYPES.values()}
 
 
 class DeviceId(NamedTuple):
@@ -213,16 +220,17 @@ def validate_layout(f: ArrayFields) -> None:
         raise HandleError(f"unknown memory kind {f.kind}")
     if f.flags & ~_FLAGS:
         raise HandleError(f"unknown flag bits 0x{f.flags & ~_FLAGS:x}")
-    if len(f.shape) > MAX_NDIM:
-        raise HandleError(f"{len(f.shape)} dimensions; at most {MAX_NDIM} are allowed")
-    if any(n < 0 for n in f.shape):
-        raise HandleError(f"negative extent in shape {f.shape}")
+    shape, strides = f.shape, f.strides
+    if len(shape) > MAX_NDIM:
+        raise HandleError(f"{len(shape)} dimensions; at most {MAX_NDIM} are allowed")
+    if shape and min(shape) < 0:
+        raise HandleError(f"negative extent in shape {shape}")
     if f.kind == Kind.EMPTY:
-        if 0 not in f.shape:
-            raise HandleError(f"an empty handle must have a size-0 shape, not {f.shape}")
+        if 0 not in shape:
+            raise HandleError(f"an empty handle must have a size-0 shape, not {shape}")
         return
-    if 0 in f.shape:
-        raise HandleError(f"shape {f.shape} has no elements, so the handle kind must be empty")
+    if 0 in shape:
+        raise HandleError(f"shape {shape} has no elements, so the handle kind must be empty")
     if f.kind in Kind.BY_DESCRIPTOR and (f.fd < 0 or f.resource == 0):
         raise HandleError(f"a {Kind.names[f.kind]} handle needs the producer's descriptor and resource id")
     if f.more:
@@ -232,16 +240,27 @@ def validate_layout(f: ArrayFields) -> None:
             raise HandleError(f"{len(f.more) + 1} pieces; at most {MAX_PIECES + 1} are allowed")
         if any(fd < 0 or size <= 0 for fd, size in f.more) or sum(size for _, size in f.more) >= f.allocation_size:
             raise HandleError("the pieces' descriptors or sizes do not fit the allocation size")
+    # One pass for alignment and extent (as byte_extent, for a shape with no zero in it).
     align = f.dtype.alignment
-    if f.offset % align or any(s % align for n, s in zip(f.shape, f.strides) if n > 1):
+    misaligned = f.offset % align
+    lo = hi = 0
+    for n, step in zip(shape, strides):
+        if n > 1:
+            if step % align:
+                misaligned = True
+            if step > 0:
+                hi += (n - 1) * step
+            else:
+                lo += (n - 1) * step
+    if misaligned:
         raise HandleError(
-            f"offset {f.offset} or strides {f.strides} are not aligned to the "
+            f"offset {f.offset} or strides {strides} are not aligned to the "
             f"{align}-byte alignment of {f.dtype}"
         )
-    lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
+    hi += f.dtype.itemsize
     if f.offset + lo < 0 or f.offset + hi > f.allocation_size:
         raise HandleError(
-            f"shape {f.shape} with strides {f.strides} at offset {f.offset} reaches bytes "
+            f"shape {shape} with strides {strides} at offset {f.offset} reaches bytes "
             f"[{f.offset + lo}, {f.offset + hi}), outside the {f.allocation_size}-byte allocation"
         )
 
@@ -303,6 +322,7 @@ def pack_array(f: ArrayFields) -> bytes:
 
 # Validated static parts of received handles: a re-sent array parses once.
 _parsed: dict[bytes, ArrayFields] = {}
+_NO_EVENT = bytes(HANDLE_BYTES)
 _PARSED_MAX = 1024
 
 
@@ -315,25 +335,58 @@ def unpack_array(data: object) -> ArrayFields:
     key = raw[:7] + raw[8:_DYNAMIC_AT] + raw[ARRAY_HEADER:]
     static = _parsed.get(key)
     if static is None:
-        static = _parse(splice(raw, 0, 0, 0, bytes(HANDLE_BYTES)))
+        fields = _parse(raw)
         if len(_parsed) >= _PARSED_MAX:
             _parsed.clear()
-        _parsed[key] = static
+        _parsed[key] = with_export(fields, 0, 0, 0, _NO_EVENT)
+        return fields
     return with_export(static, flags, *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT))
 
 
+# The device and producer of received handles by their bytes: a producer's
+# handles all carry the same ones, parsed once.
+_origins: dict[bytes, tuple[DeviceId, Producer]] = {}
+_ORIGINS_MAX = 256
+
+
+def _origin(raw: bytes) -> tuple[DeviceId, Producer]:
+    at = _BODY.size
+    key = raw[at:at + _ORIGIN.size]
+    hit = _origins.get(key)
+    if hit is None:
+        ordinal, uuid, pid, token, boot, host = _ORIGIN.unpack(key)
+        hit = (DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)))
+        if len(_origins) >= _ORIGINS_MAX:
+            _origins.clear()
+        _origins[key] = hit
+    return hit
+
+
+def _dtype_field(raw: bytes) -> np.dtype:
+    dt = _DTYPE_FIELDS.get(raw)
+    if dt is not None:
+        return dt
+    try:
+        dtype_text = raw.rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError:
+        raise HandleError(f"dtype field {raw!r} is not text") from None
+    # Only NumPy's canonical spelling (dtype.str) is written, so only it is read.
+    canonical = dtype_of(dtype_text).str  # raises first if it is no shareable dtype at all
+    raise HandleError(f"dtype field {raw!r} is not written as NumPy's dtype.str {canonical!r}")
+
+
 def _parse(raw: bytes) -> ArrayFields:
-    (_, _, kind, flags, ndim, dtype, mem, offset, size, base, buffer_id, ordinal, uuid, pid,
-     token, boot, host, export_id, slot, event) = _ARRAY.unpack_from(raw)
+    _, _, kind, flags, ndim, dtype, mem, offset, size, base, buffer_id = _BODY.unpack_from(raw)
     if ndim > MAX_NDIM:
         raise HandleError(f"{ndim} dimensions; at most {MAX_NDIM} are allowed")
     at = ARRAY_HEADER + 16 * ndim
     fd, pieces, resource, more = -1, 0, 0, ()
-    if kind in Kind.BY_DESCRIPTOR and len(raw) >= at + _DESCRIPTOR.size:
+    by_descriptor = kind in Kind.BY_DESCRIPTOR
+    if by_descriptor and len(raw) >= at + _DESCRIPTOR.size:
         fd, pieces, resource = _DESCRIPTOR.unpack_from(raw, at)
         if pieces > MAX_PIECES:
             raise HandleError(f"{pieces + 1} pieces; at most {MAX_PIECES + 1} are allowed")
-    tail = _DESCRIPTOR.size * (1 + pieces) if kind in Kind.BY_DESCRIPTOR else 0
+    tail = _DESCRIPTOR.size * (1 + pieces) if by_descriptor else 0
     if len(raw) != at + tail:
         raise HandleError(f"array handle is {len(raw)} bytes; {at + tail} expected for {ndim} dimensions")
     dims = struct.unpack_from(f"<{2 * ndim}q", raw, ARRAY_HEADER)
@@ -342,19 +395,12 @@ def _parse(raw: bytes) -> ArrayFields:
         if any(zero for _, zero, _ in records):
             raise HandleError("reserved bytes of a piece record are not zero")
         more = tuple((piece_fd, size) for piece_fd, _, size in records)
-    try:
-        dtype_text = dtype.rstrip(b"\0").decode("ascii")
-    except UnicodeDecodeError:
-        raise HandleError(f"dtype field {dtype!r} is not text") from None
-    dt = _DTYPES.get(dtype_text)
-    if dt is None:
-        # Only NumPy's canonical spelling (dtype.str) is written, so only it is read.
-        canonical = dtype_of(dtype_text).str  # raises first if it is no shareable dtype at all
-        raise HandleError(f"dtype field {dtype!r} is not written as NumPy's dtype.str {canonical!r}")
+    dt = _dtype_field(dtype)
+    device, producer = _origin(raw)
+    export_id, slot, event = _DYNAMIC.unpack_from(raw, _DYNAMIC_AT)
     fields = ArrayFields(
-        kind, flags, dt, mem, offset, size, base, buffer_id,
-        DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)), export_id, slot,
-        event, tuple(dims[:ndim]), tuple(dims[ndim:]), fd, resource, more,
+        kind, flags, dt, mem, offset, size, base, buffer_id, device, producer, export_id, slot,
+        event, dims[:ndim], dims[ndim:], fd, resource, more,
     )
     validate_layout(fields)  # the struct bounds every width and range
     return fields

@@ -154,6 +154,47 @@ def test_received_array_passed_on_to_a_third_process(ctx):
     to_b.put(None)
 
 
+@pytest.mark.parametrize("kind", ["pool", "vmm"])
+def test_received_array_shared_by_descriptor_passed_on_to_a_third_process(ctx, kind):
+    # B sends on a stream-ordered pool's allocation with its own descriptor of the pool it imported, and
+    # virtual memory (here in two pieces) as the pieces it mapped; C maps the original memory either way.
+    import cupy
+
+    import cupy_ipc
+    from workers import vmm_array
+
+    if kind == "pool":
+        pool = cupy_ipc.ShareableMemoryPool()
+        with cupy.cuda.using_allocator(pool.malloc):
+            a = cupy.zeros(N, dtype=cupy.float32)
+    else:
+        a = vmm_array(N, pieces=2)
+        a[...] = 0
+    h = cupy_ipc.get_ipc_handle(a)
+    assert h.kind == kind
+    h.release()  # opened by no one: it would stay pinned
+    to_b, b_to_c, back, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    b = ctx.Process(target=mp_workers.forward, args=(to_b, b_to_c, back))
+    c = ctx.Process(target=mp_workers.write_value, args=(b_to_c, done, 7.0))
+    b.start()
+    c.start()
+    to_b.put(a)
+    returned = back.get(timeout=60)
+    assert done.get(timeout=60) == (N,)
+    assert (a.get() == 7).all()  # C wrote through its own mapping of our memory: not a copy
+    if kind == "pool":
+        assert returned.data.ptr == a.data.ptr  # B's relay of our pool's allocation opens as our memory
+    else:  # a mapping of our own pieces, made again here
+        returned[1] = 5
+        returned.data.device.synchronize()
+        assert float(a[1]) == 5
+    del returned
+    to_b.put(None)
+    b.join(60)
+    c.join(60)
+    assert b.exitcode == 0 and c.exitcode == 0
+
+
 def test_relayed_array_stays_alive_after_sender_and_relay_drop_it(ctx):
     import cupy
 

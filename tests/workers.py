@@ -331,10 +331,9 @@ def open_each(items: list[bytes]) -> list[dict[str, Any]]:
 
 
 def collect_and_count() -> dict[str, int]:
-    import cupy_ipc
     from cupy_ipc import _mapping
 
-    cupy_ipc.collect()
+    collect()
     return _mapping.counts()
 
 
