@@ -51,10 +51,16 @@ def _memory_handle(base: int, buffer_id: int) -> bytes:
         raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
         if len(_handle_cache) >= _HANDLE_CACHE_SIZE:
             _handle_cache.clear()
-            _exported.clear()
         _handle_cache[buffer_id] = raw
-        _exported[raw] = (base, buffer_id)
+        _remember_export(raw, base, buffer_id)
     return raw
+
+
+def _remember_export(handle: bytes, base: int, buffer_id: int) -> None:
+    """Note that ``handle`` (a memory handle or pool export data) names our allocation at ``base``."""
+    if len(_exported) >= _HANDLE_CACHE_SIZE:
+        _exported.clear()
+    _exported[handle] = (base, buffer_id)
 
 
 _warned_across: set[tuple[int, int]] = set()
@@ -171,9 +177,7 @@ def _template(arr: Any, cacheable: bool) -> tuple[ArrayFields, bytes]:
         elif pool := _pools.pool_of(base):
             memory_handle, fd, resource = _pools.export(base, pool)
             kind = Kind.POOL
-            if len(_exported) >= _HANDLE_CACHE_SIZE:
-                _exported.clear()
-            _exported[memory_handle] = (base, buffer_id)
+            _remember_export(memory_handle, base, buffer_id)
         elif _vmm.is_vmm(base):
             # Virtual memory is mapped piece by piece (PyTorch's expandable
             # segments): share every piece the array reaches.

@@ -77,7 +77,8 @@ _active: dict[tuple[Any, ...], _Mapping] = {}
 _idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.OrderedDict()
 _idle_limit = 16
 _claims: dict[tuple[bytes, int], _Claim] = {}
-_released: "collections.OrderedDict[tuple[Any, ...], None]" = collections.OrderedDict()  # keys of pool imports
+# Keys of imports released here at least once: only those are kept idle when released again.
+_released: "collections.OrderedDict[tuple[Any, ...], None]" = collections.OrderedDict()
 _RELEASED_MAX = 1024
 
 
@@ -381,16 +382,15 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
 
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
-            producer_pid: int, export_id: int, slot: int, stream: Any,
-            stream_device: int | None = None, memory_device: int | None = None,
-            importer: tuple[Callable[[], int], Callable[[int], None]] | None = None,
-            hold_claim: bool = False) -> tuple[int, Lease]:
+            producer_pid: int, export_id: int, slot: int, stream: Any, stream_device: int, memory_device: int,
+            importer: tuple[Callable[[], int], Callable[[int], None]] | None,
+            hold_claim: bool) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device``; returns ``(pointer, lease)``.
 
     ``segment`` is the producer's (already checked alive). The lease must own
-    the memory built on the pointer; ``stream`` (of ``stream_device``, by
-    default ``device``) is where the release is ordered; ``memory_device`` is
-    the GPU holding the memory (default ``device``). ``importer`` maps and
+    the memory built on the pointer; ``stream`` (of ``stream_device``) is
+    where the release is ordered; ``memory_device`` is the GPU holding the
+    memory. ``importer`` maps and
     unmaps memory that is not a legacy handle's: ``(map() -> ptr, unmap(ptr))``; ``hold_claim``: its
     mapping is kept idle only with the claim of its last user (pool imports).
     """
@@ -401,8 +401,8 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
         except BaseException:
             _unclaim(claim_key)
             raise
-    return m.ptr, Lease(keep, key, claim_key, stream, device if stream_device is None else stream_device, m,
-                        memory_handle, allocation_size, device if memory_device is None else memory_device)
+    return m.ptr, Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
+                        memory_device)
 
 
 def _forget_after_fork() -> None:

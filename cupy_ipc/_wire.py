@@ -161,10 +161,14 @@ def byte_extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int)
         >>> byte_extent((0, 5), (40, 8), 8)
         (0, 0)
     """
-    if any(n == 0 for n in shape):
+    if 0 in shape:
         return 0, 0
-    lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    lo = hi = 0
+    for n, step in zip(shape, strides):
+        if step > 0:
+            hi += (n - 1) * step
+        else:
+            lo += (n - 1) * step
     return lo, hi + itemsize
 
 
@@ -240,24 +244,13 @@ def validate_layout(f: ArrayFields) -> None:
             raise HandleError(f"{len(f.more) + 1} pieces; at most {MAX_PIECES + 1} are allowed")
         if any(fd < 0 or size <= 0 for fd, size in f.more) or sum(size for _, size in f.more) >= f.allocation_size:
             raise HandleError("the pieces' descriptors or sizes do not fit the allocation size")
-    # One pass for alignment and extent (as byte_extent, for a shape with no zero in it).
     align = f.dtype.alignment
-    misaligned = f.offset % align
-    lo = hi = 0
-    for n, step in zip(shape, strides):
-        if n > 1:
-            if step % align:
-                misaligned = True
-            if step > 0:
-                hi += (n - 1) * step
-            else:
-                lo += (n - 1) * step
-    if misaligned:
+    if f.offset % align or any(step % align for n, step in zip(shape, strides) if n > 1):
         raise HandleError(
             f"offset {f.offset} or strides {strides} are not aligned to the "
             f"{align}-byte alignment of {f.dtype}"
         )
-    hi += f.dtype.itemsize
+    lo, hi = byte_extent(shape, strides, f.dtype.itemsize)
     if f.offset + lo < 0 or f.offset + hi > f.allocation_size:
         raise HandleError(
             f"shape {shape} with strides {strides} at offset {f.offset} reaches bytes "
