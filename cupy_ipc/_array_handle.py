@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -34,6 +35,7 @@ from ._wire import (
 __all__ = ["IpcArrayHandle", "OpenInfo", "get_ipc_handle", "open_info"]
 
 _NO_HANDLE = bytes(64)
+_NO_SWITCH = contextlib.nullcontext()
 
 # Memory handles by the driver's buffer id, which is never reused in a process,
 # so a new array in an allocation exported before skips cudaIpcGetMemHandle;
@@ -109,9 +111,10 @@ def _received_lease(owner: Any) -> "_mapping.Lease | None":
     return None
 
 
-# The validated handle of each live cupy.ndarray exported, without its export
-# part: an array's pointer, layout and allocation cannot change while it lives,
-# so a re-sent array costs no driver query, no validation and no packing.
+# The validated fields of each live cupy.ndarray exported, and the wire form of
+# its first export: an array's pointer, layout and allocation cannot change
+# while it lives, so a re-sent array costs no driver query, no validation and
+# no packing (only its export part is spliced in).
 class _ById:
     """Values kept for live objects that cannot be hashed (arrays), dropped when the object is collected."""
 
@@ -138,11 +141,11 @@ class _ById:
         self._d.clear()
 
 
-_by_array = _ById()  # array -> (fields, static wire bytes)
+_by_array = _ById()  # array -> (fields without an export part, wire form of one of its exports)
 
 
-def _template(arr: Any, cacheable: bool) -> tuple[ArrayFields, bytes]:
-    """The handle fields of a non-empty array with no export part, and their wire form."""
+def _template(arr: Any) -> ArrayFields:
+    """The handle fields of a non-empty array with no export part."""
     dtype = dtype_of(arr.dtype)
     owner = getattr(arr.data.mem, "_owner", None)
     # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
@@ -151,8 +154,6 @@ def _template(arr: Any, cacheable: bool) -> tuple[ArrayFields, bytes]:
     if lease is not None and lease.mapping_key[1] == Kind.VMM:
         # Mapped here from the producer's pieces: sent on as this process's own
         # virtual memory, with the descriptors it imported them from.
-        with _cuda.using_device(lease.mapping_key[0]):
-            _vmm.send_on(lease.ptr, lease.mapping_key[0])
         lease = None
     kind, fd, resource, more = Kind.LEGACY, -1, 0, ()
     if lease is not None:
@@ -202,10 +203,7 @@ def _template(arr: Any, cacheable: bool) -> tuple[ArrayFields, bytes]:
         fd, resource, more,
     )
     validate_layout(fields)  # every other field comes from the driver and this process
-    static = pack_array(fields)
-    if cacheable:
-        _by_array.set(arr, (fields, static))
-    return fields, static
+    return fields
 
 
 def _as_cupy(array: Any) -> Any:
@@ -289,9 +287,14 @@ def get_ipc_handle(
                              DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE,
                              arr.shape, arr.strides)
         return IpcArrayHandle._make(fields)
-    template, static = _by_array.get(arr) or _template(arr, arr is array)
+    # A live array's wire form is cached after its first export: later ones change only the export part.
+    template, static = _by_array.get(arr) or (_template(arr), None)
     if not (keepalive or sync):
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
+        if static is None:
+            static = pack_array(template)
+            if arr is array:
+                _by_array.set(arr, (template, static))
         return IpcArrayHandle._make(template, static)
     device = arr.data.device_id  # where the producer's stream and its event live
     with _cuda.using_device(device):
@@ -303,8 +306,14 @@ def get_ipc_handle(
         flags |= FLAG_EVENT
     else:
         event = _NO_HANDLE
-    return IpcArrayHandle._make(with_export(template, flags, export_id, slot, event),
-                                splice(static, flags, export_id, slot, event))
+    fields = with_export(template, flags, export_id, slot, event)
+    if static is None:
+        wire = pack_array(fields)
+        if arr is array:
+            _by_array.set(arr, (template, wire))  # splice() replaces this export's part
+    else:
+        wire = splice(static, flags, export_id, slot, event)
+    return IpcArrayHandle._make(fields, wire)
 
 
 class OpenInfo(NamedTuple):
@@ -592,10 +601,10 @@ class IpcArrayHandle:
             with _cuda.using_device(target):
                 stream_obj = cupy.cuda.get_current_stream()
         if not staged:
-            return self._mapped(target, home, stream_obj, target)
+            return self._mapped(target, home, stream_obj, target, current)
         # Map on the memory's GPU, copy to the target on the consumer's
         # stream, and let the mapping go once that copy is done.
-        src = self._mapped(home, home, stream_obj, target)
+        src = self._mapped(home, home, stream_obj, target, current)
         lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
         runtime = _cuda.rt()
         with _cuda.using_device(target):
@@ -607,8 +616,9 @@ class IpcArrayHandle:
         _opened_unmapped.set(arr, OpenInfo(target, home, copied=True))
         return arr
 
-    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int) -> Any:
-        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it)."""
+    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int, current: int) -> Any:
+        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it); ``current``: the
+        current GPU."""
         import cupy
 
         f = self._f
@@ -641,7 +651,8 @@ class IpcArrayHandle:
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
                         lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]))
-        with _cuda.using_device(map_device):
+        # A legacy import binds its device itself; the importers of other kinds leave theirs current.
+        with _cuda.using_device(map_device) if importer is not None or map_device != current else _NO_SWITCH:
             ptr, lease = _mapping.acquire(
                 key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
                 producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,

@@ -90,7 +90,7 @@ def pin(keep: Any, nbytes: int, device: int, consumers: int, lease: float | None
     seg = _segment_here()
     with _lock:
         if _pins:
-            sweep()
+            _sweep(seg)
         event = None
         if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
             event = _take_event(device)
@@ -133,9 +133,10 @@ def _try_free(seg: _segment.Segment, p: _Pin) -> bool:
 
 def sweep() -> int:
     """End every pin whose consumers are done; returns how many ended."""
-    if not _pins:
-        return 0
-    seg = _segment_here()
+    return _sweep(_segment_here()) if _pins else 0
+
+
+def _sweep(seg: _segment.Segment) -> int:
     now = None
     ended = 0
     with _lock:

@@ -24,7 +24,7 @@ from ._errors import IpcError
 from ._wire import MAX_PIECES
 
 __all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm", "pieces_of",
-           "producer_fd", "send_on", "sweep", "unmap"]
+           "producer_fd", "sweep", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -37,9 +37,9 @@ _ids = itertools.count(1)
 _Key = tuple[int, int, int]
 _exports: dict[int, tuple[int, _Key]] = {}
 _by_mapping: dict[_Key, int] = {}
-# consumer: the descriptors of each mapping made by import_mapping (first address -> one per piece; -1 once
-# handed to _exports by send_on).
-_kept: dict[int, list[int]] = {}
+# consumer: the descriptor each piece mapped by import_mapping was imported from, by the piece's address,
+# until export() adopts it (an imported allocation cannot be exported again) or unmap() closes it.
+_kept: dict[int, int] = {}
 
 NOT_SHAREABLE = (
     "this memory comes from CUDA's virtual memory API (cuMemCreate) without a shareable handle type, and no "
@@ -69,7 +69,8 @@ def is_vmm(ptr: int) -> bool:
 
 def export(base: int, buffer_id: int) -> tuple[int, int]:
     """``(descriptor, allocation id)`` of the allocation mapped at ``base`` (whose buffer id is
-    ``buffer_id``); one descriptor per allocation."""
+    ``buffer_id``); one descriptor per allocation. A piece this process imported is exported with the
+    descriptor it came from."""
     driver = _driver()
     err, handle = driver.cuMemRetainAllocationHandle(base)
     _cuda.check("finding the allocation behind the pointer", err)
@@ -77,19 +78,21 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
     try:
         with _lock:
             hit = _by_mapping.get(key)
+            fd = _kept.pop(base, None) if hit is None else None
         if hit is not None:
             return _exports[hit][0], hit
-        err, prop = driver.cuMemGetAllocationPropertiesFromHandle(handle)
-        _cuda.check("reading the allocation's properties", err)
-        if not int(prop.requestedHandleTypes) & int(_cuda.posix_fd()):
-            raise IpcError(NOT_SHAREABLE)
-        err, fd = driver.cuMemExportToShareableHandle(handle, _cuda.posix_fd(), 0)
-        _cuda.check("exporting the allocation", err)
+        if fd is None:
+            err, prop = driver.cuMemGetAllocationPropertiesFromHandle(handle)
+            _cuda.check("reading the allocation's properties", err)
+            if not int(prop.requestedHandleTypes) & int(_cuda.posix_fd()):
+                raise IpcError(NOT_SHAREABLE)
+            err, fd = driver.cuMemExportToShareableHandle(handle, _cuda.posix_fd(), 0)
+            _cuda.check("exporting the allocation", err)
     finally:
         driver.cuMemRelease(handle)
     with _lock:
         alloc_id = next(_ids)
-        _exports[alloc_id] = (int(fd), key)
+        _exports[alloc_id] = (int(fd), key)  # closed by the sweep once unmapped
         _by_mapping[key] = alloc_id
     return int(fd), alloc_id
 
@@ -171,8 +174,8 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
     """Import the producer's pieces and map them, in order, at new addresses for ``device``; the first address.
 
     ``given``: the pieces' descriptors, received with the handle; else each is taken from the producer.
-    The descriptors stay open while the mapping lives, so that an array of it can be sent on
-    (:func:`send_on`); :func:`unmap` closes them.
+    The descriptors stay open while the mapping lives, so that an array of it can be sent on (:func:`export`
+    adopts them); :func:`unmap` closes the others.
     """
     runtime = _cuda.rt()
     from ._descriptors import take_fd
@@ -202,7 +205,10 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
         _close(fds)
         raise
     with _lock:
-        _kept[ptr] = fds
+        at = ptr
+        for fd, (_, size) in zip(fds, pieces):
+            _kept[at] = fd
+            at += size
     return ptr
 
 
@@ -210,30 +216,6 @@ def _close(fds: list[int]) -> None:
     for fd in fds:
         if fd >= 0:
             os.close(fd)
-
-
-def send_on(ptr: int, device: int) -> None:
-    """Let this process export the pieces of its mapping at ``ptr`` for ``device`` (made by
-    :func:`import_mapping`) with the descriptors it imported them from: an imported allocation cannot be
-    exported again. Leaves ``device`` current."""
-    with _lock:
-        fds = _kept.get(ptr)
-    if fds is None:
-        return
-    _cuda.rt().setDevice(device)  # binds the context, which a queue's feeder thread lacks
-    at = ptr
-    for k, fd in enumerate(fds):
-        base, size = _cuda.address_range(at)
-        err, handle = _handle_at(base)
-        _cuda.check("finding the allocation behind the pointer", err)
-        key = (base, _cuda.pointer_info(base).buffer_id, handle)
-        with _lock:
-            if key not in _by_mapping and fd >= 0:
-                alloc_id = next(_ids)
-                _exports[alloc_id] = (fd, key)  # closed by the sweep once unmapped
-                _by_mapping[key] = alloc_id
-                fds[k] = -1
-        at = base + size
 
 
 def _map_and_release(handles: list[tuple[Any, int]], device: int) -> int:
@@ -277,8 +259,11 @@ def _unmap(ptr: int, sizes: list[int], total: int) -> list[Any]:
 
 def unmap(ptr: int, sizes: list[int]) -> None:
     """Undo :func:`import_mapping` (or a mapping of :func:`allocate`): unmap each piece, free the addresses."""
+    kept, at = [], ptr
     with _lock:
-        kept = _kept.pop(ptr, [])
+        for size in sizes:
+            kept.append(_kept.pop(at, -1))
+            at += size
     _close(kept)
     for err in _unmap(ptr, sizes, sum(sizes)):
         _cuda.check("unmapping the producer's allocation", err)

@@ -90,6 +90,8 @@ _DTYPES = {
 }
 
 
+_BY_IDENTITY = {id(dt): dt for dt in _DTYPES.values()}
+
 # The dtype field as written (dtype.str, NUL-padded to 4 bytes) -> the dtype.
 _DTYPE_FIELDS = {dt.str.encode().ljust(4, b"\0"): dt for dt in _DTYPES.values()}
 
@@ -135,6 +137,9 @@ class EventFields(NamedTuple):
 
 def dtype_of(value: object) -> np.dtype:
     """The dtype a handle may carry, or :class:`HandleError`."""
+    hit = _BY_IDENTITY.get(id(value))
+    if hit is value:  # NumPy's builtin dtypes are singletons: an array's is one of them
+        return hit
     key = value.str if isinstance(value, np.dtype) else value
     if isinstance(key, str) and key in _DTYPES:
         return _DTYPES[key]
@@ -163,13 +168,22 @@ def byte_extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int)
     """
     if 0 in shape:
         return 0, 0
-    lo = hi = 0
-    for n, step in zip(shape, strides):
-        if step > 0:
-            hi += (n - 1) * step
-        else:
-            lo += (n - 1) * step
+    lo, hi, _ = _reach(shape, strides, 1)
     return lo, hi + itemsize
+
+
+def _reach(shape: tuple[int, ...], strides: tuple[int, ...], align: int) -> tuple[int, int, int]:
+    """``(lowest, highest byte offset of an element, nonzero if a stride that moves is not a multiple of
+    align)`` of a non-empty array: one loop, run for every new handle on each side."""
+    lo = hi = misaligned = 0
+    for n, step in zip(shape, strides):
+        if n > 1:
+            misaligned |= step % align
+            if step > 0:
+                hi += (n - 1) * step
+            else:
+                lo += (n - 1) * step
+    return lo, hi, misaligned
 
 
 def _in_range(what: str, value: int, bounds: tuple[int, int]) -> None:
@@ -245,13 +259,15 @@ def validate_layout(f: ArrayFields) -> None:
         if any(fd < 0 or size <= 0 for fd, size in f.more) or sum(size for _, size in f.more) >= f.allocation_size:
             raise HandleError("the pieces' descriptors or sizes do not fit the allocation size")
     align = f.dtype.alignment
-    if f.offset % align or any(step % align for n, step in zip(shape, strides) if n > 1):
+    offset = f.offset
+    lo, hi, misaligned = _reach(shape, strides, align)
+    if misaligned or offset % align:
         raise HandleError(
-            f"offset {f.offset} or strides {strides} are not aligned to the "
+            f"offset {offset} or strides {strides} are not aligned to the "
             f"{align}-byte alignment of {f.dtype}"
         )
-    lo, hi = byte_extent(shape, strides, f.dtype.itemsize)
-    if f.offset + lo < 0 or f.offset + hi > f.allocation_size:
+    hi += f.dtype.itemsize
+    if offset + lo < 0 or offset + hi > f.allocation_size:
         raise HandleError(
             f"shape {shape} with strides {strides} at offset {f.offset} reaches bytes "
             f"[{f.offset + lo}, {f.offset + hi}), outside the {f.allocation_size}-byte allocation"
