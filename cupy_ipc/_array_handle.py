@@ -188,7 +188,7 @@ def _template(arr: Any) -> ArrayFields:
                 _vmm.sweep()
             base, size = pieces[0][0], sum(p[1] for p in pieces)
             buffer_id = pieces[0][4]
-            fd, resource = pieces[0][2], pieces[0][3]
+            fd, resource = pieces[0][2], _vmm.pieces_id(tuple(p[3] for p in pieces))
             more = tuple((p[2], p[1]) for p in pieces[1:])
             memory_handle, kind = _NO_HANDLE, Kind.VMM
         else:

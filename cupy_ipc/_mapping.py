@@ -265,7 +265,7 @@ def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> boo
     # later by the eviction of an older mapping (whose producer may have freed
     # it, which makes that unmap the one that frees the memory).
     held = m.hold_claim and claim_key is not None
-    if _idle_limit and (m.close is None or held) and _released_before(key):
+    if _idle_limit and (held or not m.hold_claim) and _released_before(key):
         m.held = claim_key if held else None
         _idle[key] = m
         _trim_idle()

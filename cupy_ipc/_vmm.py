@@ -23,8 +23,8 @@ from . import _cuda
 from ._errors import IpcError
 from ._wire import MAX_PIECES
 
-__all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm", "pieces_of",
-           "producer_fd", "sweep", "unmap"]
+__all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm", "pieces_id",
+           "pieces_of", "producer_fd", "sweep", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -37,6 +37,9 @@ _ids = itertools.count(1)
 _Key = tuple[int, int, int]
 _exports: dict[int, tuple[int, _Key]] = {}
 _by_mapping: dict[_Key, int] = {}
+# producer: an id for each run of pieces that exports share (see pieces_id), never reused.
+_runs: dict[tuple[int, ...], int] = {}
+_RUNS_MAX = 4096
 # consumer: the descriptor each piece mapped by import_mapping was imported from, by the piece's address,
 # until export() adopts it (an imported allocation cannot be exported again) or unmap() closes it.
 _kept: dict[int, int] = {}
@@ -164,6 +167,21 @@ def export_pieces(lo: int, hi: int, device: int) -> list[tuple[int, int, int, in
     return pieces
 
 
+def pieces_id(alloc_ids: tuple[int, ...]) -> int:
+    """An id, never reused in this process, for the run of exported allocations ``alloc_ids`` (as
+    :func:`export_pieces` gives them): what a consumer keys its mapping by, so that a mapping kept idle is
+    never taken for another run, such as one where a later piece was replaced by a new allocation."""
+    if len(alloc_ids) == 1:
+        return alloc_ids[0]
+    with _lock:
+        run = _runs.get(alloc_ids)
+        if run is None:
+            if len(_runs) >= _RUNS_MAX:
+                _runs.clear()  # runs exported again get new ids: consumers map them anew
+            run = _runs[alloc_ids] = next(_ids)
+    return run
+
+
 def pieces_of(f: Any) -> list[tuple[int, int]]:
     """``(descriptor number in the producer, size)`` of each piece of handle fields ``f``, in address order."""
     first = f.allocation_size - sum(size for _, size in f.more)
@@ -272,6 +290,7 @@ def unmap(ptr: int, sizes: list[int]) -> None:
 def forget() -> None:
     """After fork: the parent's descriptors are not this process's to hand out."""
     _exports.clear()
+    _runs.clear()
     _by_mapping.clear()
     _kept.clear()
 

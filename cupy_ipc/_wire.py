@@ -71,8 +71,9 @@ _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 
 _HOST_BYTES = 32
 # After the extents and strides of a kind shared by descriptor: the descriptor's
 # number in the producer, how many more pieces follow (virtual memory mapped
-# piece by piece; 0 otherwise), and the producer's id for what it names (an
-# allocation or a pool), so that a consumer imports each pool once. Each further
+# piece by piece; 0 otherwise), and the producer's id, never reused, for what it
+# names (the run of pieces, or a pool), so that a consumer imports each pool once
+# and never takes a mapping it keeps for another run. Each further
 # piece: its descriptor's number, 0, its size in bytes.
 _DESCRIPTOR = struct.Struct("<iIQ")
 MAX_PIECES = 4096
@@ -124,7 +125,7 @@ class ArrayFields(NamedTuple):
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     fd: int = -1  # kinds shared by descriptor: the descriptor's number in the producer
-    resource: int = 0  # and the producer's id for the allocation or pool it names
+    resource: int = 0  # and the producer's id for the run of pieces or the pool it names
     more: tuple[tuple[int, int], ...] = ()  # virtual memory: (descriptor, size) of each further piece
 
 

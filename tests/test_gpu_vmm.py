@@ -138,17 +138,36 @@ def test_a_new_allocation_mapped_where_an_old_one_was_shares_its_own_memory(remo
     import cupy
 
     import cupy_ipc
-    from cupy_ipc import _cuda
     from workers import vmm_array
 
-    driver = _cuda._driver()
     a = vmm_array(N)
     ptr, size = a.data.ptr, a.data.mem.size
     consumer = remote()
     assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())["sum"] == \
         pytest.approx(EXPECTED, rel=1e-6)
     cupy.cuda.Device().synchronize()
-    (err,) = driver.cuMemUnmap(ptr, size)
+    _replace_piece(a, ptr, size)
+    b = _over(a, 4 * N)
+    b.fill(3)
+    assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(b).to_bytes())["sum"] == 3.0 * N
+    assert float(b[0]) == -1  # and the consumer wrote into the new allocation
+
+
+def _over(a, nbytes):
+    """A new float32 array over the first ``nbytes`` of ``a``'s addresses; ``a`` owns them (and unmaps every
+    piece there when collected)."""
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(a.data.ptr, nbytes, a)
+    return cupy.ndarray((nbytes // 4,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _replace_piece(a, at, size):
+    """Map a new allocation of ``size`` bytes at address ``at`` of ``a``'s virtual memory, in place of the old."""
+    from cupy_ipc import _cuda
+
+    driver = _cuda._driver()
+    (err,) = driver.cuMemUnmap(at, size)
     _cuda.check("unmapping", err)
     prop = driver.CUmemAllocationProp()
     prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -157,16 +176,40 @@ def test_a_new_allocation_mapped_where_an_old_one_was_shares_its_own_memory(remo
     prop.requestedHandleTypes = _cuda.posix_fd()
     err, handle = driver.cuMemCreate(size, prop, 0)
     _cuda.check("creating", err)
-    (err,) = driver.cuMemMap(ptr, size, 0, handle, 0)
+    (err,) = driver.cuMemMap(at, size, 0, handle, 0)
     _cuda.check("mapping", err)
     driver.cuMemRelease(handle)
-    (err,) = driver.cuMemSetAccess(ptr, size, [_cuda.access_desc(a.device.id)], 1)
+    (err,) = driver.cuMemSetAccess(at, size, [_cuda.access_desc(a.device.id)], 1)
     _cuda.check("giving access", err)
-    # A new array over the new allocation; `a` owns the addresses (and unmaps them when collected).
-    b = cupy.ndarray((N,), cupy.float32, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, a), 0))
-    b.fill(3)
-    assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(b).to_bytes())["sum"] == 3.0 * N
-    assert float(b[0]) == -1  # and the consumer wrote into the new allocation
+
+
+def test_a_vmm_array_sent_again_opens_from_its_idle_mapping_but_not_once_a_piece_is_replaced(remote):
+    # A consumer keeps the mapping of virtual memory sent again; PyTorch's expandable segments may since have
+    # replaced a later piece with a new allocation at the same address and size, which must be mapped anew.
+    import cupy
+
+    import cupy_ipc
+    from workers import vmm_array
+
+    a = vmm_array(2 * N, pieces=2)  # two 4 MiB pieces
+    h = cupy_ipc.get_ipc_handle(a)
+    assert len(h._f.more) == 1
+    piece = h._f.allocation_size // 2
+    consumer = remote()
+    got = consumer.call("open_each", [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(3)], N)
+    h.release()
+    assert [g["value"] for g in got] == [float(N)] * 3
+    assert [g["idle"] for g in got] == [0, 1, 1]
+    assert got[2]["ptr"] == got[1]["ptr"]  # re-opened from the idle mapping
+    cupy.cuda.Device().synchronize()
+    _replace_piece(a, a.data.ptr + piece, piece)
+    b = _over(a, 2 * piece)
+    b[N:] = 5
+    got = consumer.call("open_each", [cupy_ipc.get_ipc_handle(b).to_bytes()], N)
+    assert got[0]["value"] == 5.0  # the new piece, not the idle mapping's old one
+    assert got[0]["idle"] == 1  # that one stays idle; the new mapping, released once, is gone
+    cupy_ipc.collect()
+    assert consumer.call("collect_and_count") == {"mapped": 0, "idle": 0, "claims": 0}
 
 
 @pytest.fixture

@@ -316,14 +316,15 @@ def collect() -> None:
     cupy_ipc.collect()
 
 
-def open_each(items: list[bytes]) -> list[dict[str, Any]]:
-    """Open, read element 0, close each handle in turn; the value, the pointer and the consumer's tables after each."""
+def open_each(items: list[bytes], index: int = 0) -> list[dict[str, Any]]:
+    """Open, read element ``index``, close each handle in turn; the value, the pointer and the consumer's tables
+    after each."""
     from cupy_ipc import IpcArrayHandle, _mapping
 
     out = []
     for d in items:
         with IpcArrayHandle.from_bytes(d) as arr:
-            value, ptr = float(arr[0]), arr.data.ptr
+            value, ptr = float(arr[index]), arr.data.ptr
             arr.device.synchronize()  # the release needs no background wait
         del arr
         out.append({"value": value, "ptr": ptr, **_mapping.counts()})
