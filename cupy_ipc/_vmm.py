@@ -24,7 +24,7 @@ from ._errors import IpcError
 from ._wire import MAX_PIECES
 
 __all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm", "pieces_id",
-           "pieces_of", "producer_fd", "sweep", "unmap"]
+           "pieces_of", "sweep", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -98,13 +98,6 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
         _exports[alloc_id] = (int(fd), key)  # closed by the sweep once unmapped
         _by_mapping[key] = alloc_id
     return int(fd), alloc_id
-
-
-def producer_fd(alloc_id: int) -> int | None:
-    """This process's descriptor of its exported allocation ``alloc_id``."""
-    with _lock:
-        hit = _exports.get(alloc_id)
-    return hit[0] if hit else None
 
 
 def exports_fd(fd: int) -> bool:

@@ -214,3 +214,18 @@ def test_the_same_pair_may_take_the_descriptor_from_a_dumpable_producer(may_swit
 def test_the_refusal_names_the_hosts_rule():
     text = refused_message(4242)
     assert "process 4242" in text and ("ptrace_scope" in text)
+
+
+def test_a_run_of_virtual_memory_pieces_has_one_id_never_given_to_another_run():
+    # What a consumer keys a kept mapping by: the same run of exported allocations gets the same id, any other
+    # run (one piece replaced by a new allocation, say) a new one, and a forgotten run a new one when seen again.
+    from cupy_ipc import _vmm
+
+    a, b, c = (next(_vmm._ids) for _ in range(3))  # allocation ids, as export() draws them
+    assert _vmm.pieces_id((a,)) == a  # one piece: the allocation's own id
+    run = _vmm.pieces_id((a, b))
+    assert _vmm.pieces_id((a, b)) == run
+    other = _vmm.pieces_id((a, c))
+    assert len({a, b, c, run, other}) == 5
+    _vmm._runs.clear()
+    assert _vmm.pieces_id((a, b)) not in (a, b, c, run, other)
