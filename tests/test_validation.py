@@ -329,6 +329,33 @@ def test_extent_boundaries_are_exact():
     rejected("outside", make, (3, 4), (16, -4), "float32", 8, 48)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 4), st.integers(-24, 24)), min_size=1, max_size=3),
+    st.sampled_from(["int8", "int16", "float32", "float64", "complex128"]),
+    st.integers(0, 160), st.integers(0, 200),
+)
+def test_layout_check_agrees_with_every_element_reached(dims, dtype, offset, allocation_size):
+    # The one-pass check against the layout spelled out element by element: accepted exactly when every
+    # element's bytes lie inside the allocation and every offset a step reaches is aligned to the dtype.
+    from cupy_ipc._wire import byte_extent
+
+    shape = tuple(n for n, _ in dims)
+    strides = tuple(step for _, step in dims)
+    dt = np.dtype(dtype)
+    starts = [offset + sum(i * step for i, step in zip(index, strides))
+              for index in itertools.product(*(range(n) for n in shape))]
+    fits = min(starts) >= 0 and max(starts) + dt.itemsize <= allocation_size
+    aligned = all(start % dt.alignment == 0 for start in starts)
+    assert byte_extent(shape, strides, dt.itemsize) == (min(starts) - offset, max(starts) - offset + dt.itemsize)
+    try:
+        make(shape, strides, dtype, offset, allocation_size)
+    except HandleError:
+        assert not (fits and aligned)
+    else:
+        assert fits and aligned
+
+
 def test_extent_beyond_allocation_from_bytes():
     rejected("outside the 31-byte allocation", IpcArrayHandle.from_bytes,
              patched(VALID, ARRAY_FIELDS, allocation_size=31))
