@@ -57,15 +57,16 @@ class Kind:
     BY_DESCRIPTOR = frozenset({VMM, POOL})  # kinds whose handle ends with a descriptor record
 
 
-_ARRAY = struct.Struct("<4sHBBB4s64sQQQQi16si16s16s32sQI64s")
-# The array header up to the device and producer fields, and those fields (the origin).
+# The array header in three parts: up to the device and producer fields; those
+# fields (the origin); and what changes between two exports of one array (with
+# the flags byte at offset 7): export id, slot and event. The rest is the
+# array's static part.
 _BODY = struct.Struct("<4sHBBB4s64sQQQQ")
 _ORIGIN = struct.Struct("<i16si16s16s32s")
-_EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
-# What changes between two exports of one array: flags (offset 7), and export
-# id, slot and event (offset 197). The rest is the array's static part.
 _DYNAMIC = struct.Struct("<QI64s")
-_DYNAMIC_AT = 197
+_DYNAMIC_AT = _BODY.size + _ORIGIN.size
+_ARRAY = struct.Struct(_BODY.format + _ORIGIN.format[1:] + _DYNAMIC.format[1:])
+_EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
 _FLAGS = FLAG_KEEPALIVE | FLAG_EVENT
 _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 31), (0, 1 << 32)
 _HOST_BYTES = 32
@@ -270,8 +271,8 @@ def validate_layout(f: ArrayFields) -> None:
     hi += f.dtype.itemsize
     if offset + lo < 0 or offset + hi > f.allocation_size:
         raise HandleError(
-            f"shape {shape} with strides {strides} at offset {f.offset} reaches bytes "
-            f"[{f.offset + lo}, {f.offset + hi}), outside the {f.allocation_size}-byte allocation"
+            f"shape {shape} with strides {strides} at offset {offset} reaches bytes "
+            f"[{offset + lo}, {offset + hi}), outside the {f.allocation_size}-byte allocation"
         )
 
 
