@@ -291,11 +291,7 @@ def get_ipc_handle(
     template, static = _by_array.get(arr) or (_template(arr), None)
     if not (keepalive or sync):
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
-        if static is None:
-            static = pack_array(template)
-            if arr is array:
-                _by_array.set(arr, (template, static))
-        return IpcArrayHandle._make(template, static)
+        return IpcArrayHandle._make(template, static or _first_wire(arr, array is arr, template, template))
     device = arr.data.device_id  # where the producer's stream and its event live
     with _cuda.using_device(device):
         export_id, slot, event = _keepalive.pin(
@@ -308,12 +304,19 @@ def get_ipc_handle(
         event = _NO_HANDLE
     fields = with_export(template, flags, export_id, slot, event)
     if static is None:
-        wire = pack_array(fields)
-        if arr is array:
-            _by_array.set(arr, (template, wire))  # splice() replaces this export's part
+        wire = _first_wire(arr, array is arr, template, fields)
     else:
         wire = splice(static, flags, export_id, slot, event)
     return IpcArrayHandle._make(fields, wire)
+
+
+def _first_wire(arr: Any, keep: bool, template: ArrayFields, fields: ArrayFields) -> bytes:
+    """The wire form of ``fields``, the first export of ``arr``; kept with ``template`` for its later exports
+    (which splice their own export part in) if ``keep`` (not for a temporary made from a foreign array)."""
+    wire = pack_array(fields)
+    if keep:
+        _by_array.set(arr, (template, wire))
+    return wire
 
 
 class OpenInfo(NamedTuple):
@@ -645,12 +648,12 @@ class IpcArrayHandle:
             key = (map_device, f.kind, f.memory_handle)
         elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
             key = (map_device, f.kind, producer.token, f.buffer_id, f.resource)
-            importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds), _pools.free_imported)
+            importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds), _pools.free_imported, 0)
         else:
             key = (map_device, f.kind, producer.token, f.resource, f.allocation_size)
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
-                        lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]))
+                        lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]), len(pieces))
         # A legacy import binds its device itself; the importers of other kinds leave theirs current.
         with _cuda.using_device(map_device) if importer is not None or map_device != current else _NO_SWITCH:
             ptr, lease = _mapping.acquire(

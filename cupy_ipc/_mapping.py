@@ -14,7 +14,9 @@ the lease is released:
 3. a mapping with no users is unmapped, unless the same allocation was
    released here before (a buffer sent again): then it is kept idle for
    re-opening (up to :func:`set_idle_mapping_limit`) and unmapped when
-   evicted or collected. An imported pool allocation must be freed here
+   evicted or collected. Virtual memory keeps one descriptor open per mapped
+   piece (to be sent on), so idle ones are also evicted, oldest first, once
+   they hold more than a quarter of the process's open-file limit. An imported pool allocation must be freed here
    before its producer frees it (CUDA's rule), so it is kept idle only with
    the last claim on it, which pins the producer's memory until the mapping
    is evicted.
@@ -26,6 +28,7 @@ import atexit
 import collections
 import os
 import queue
+import resource
 import threading
 import warnings
 from typing import Any, Callable
@@ -36,11 +39,15 @@ from ._errors import HandleError, IpcError
 __all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts"]
 
 
+# How memory other than a legacy handle's is mapped: (map() -> pointer, unmap(pointer), descriptors kept open).
+Importer = tuple[Callable[[], int], Callable[[int], None], int]
+
+
 class _Mapping:
-    __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held")
+    __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held", "descriptors")
 
     def __init__(self, ptr: int, device: int, imported: bool, close: Callable[[int], None] | None = None,
-                 hold_claim: bool = False) -> None:
+                 hold_claim: bool = False, descriptors: int = 0) -> None:
         self.ptr = ptr
         self.device = device
         self.users = 0
@@ -48,6 +55,7 @@ class _Mapping:
         self.close = close  # how to unmap an import of another kind than a legacy handle
         self.hold_claim = hold_claim  # kept idle only with a claim on the producer's memory (pool imports)
         self.held: tuple[bytes, int] | None = None  # that claim, while idle
+        self.descriptors = descriptors  # open while mapped (virtual memory: one per piece)
 
     def unmap(self) -> None:
         if not self.imported:
@@ -76,6 +84,8 @@ _lock = threading.RLock()
 _active: dict[tuple[Any, ...], _Mapping] = {}
 _idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.OrderedDict()
 _idle_limit = 16
+_idle_fds = 0  # descriptors that idle mappings keep open
+_idle_fd_limit: int | None = None  # set on first use from the open-file limit
 _claims: dict[tuple[bytes, int], _Claim] = {}
 # Keys of imports released here at least once: only those are kept idle when released again.
 _released: "collections.OrderedDict[tuple[Any, ...], None]" = collections.OrderedDict()
@@ -102,11 +112,38 @@ def set_idle_mapping_limit(n: int) -> int:
     return old
 
 
+def _fd_limit() -> int:
+    global _idle_fd_limit
+    if _idle_fd_limit is None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        _idle_fd_limit = 1 << 16 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
+    return _idle_fd_limit
+
+
+def _park(key: tuple[Any, ...], m: _Mapping) -> None:
+    global _idle_fds
+    _idle[key] = m
+    _idle_fds += m.descriptors
+
+
+def _unpark(key: tuple[Any, ...]) -> _Mapping | None:
+    global _idle_fds
+    m = _idle.pop(key, None)
+    if m is not None:
+        _idle_fds -= m.descriptors
+    return m
+
+
 def _trim_idle() -> None:
     # Unmapped here rather than on the background thread: measured with fresh
     # buffers, an unmap there slowed the next open more than it saved here.
     while len(_idle) > _idle_limit:
-        _discard(_idle.popitem(last=False)[1])
+        _discard(_unpark(next(iter(_idle))))  # type: ignore[arg-type]
+    if _idle_fds > _fd_limit():
+        for key in [k for k, m in _idle.items() if m.descriptors]:  # oldest first
+            _discard(_unpark(key))  # type: ignore[arg-type]
+            if _idle_fds <= _fd_limit():
+                break
 
 
 def _discard(m: _Mapping) -> None:
@@ -125,14 +162,14 @@ def collect_idle() -> int:
     with _lock:
         n = len(_idle)
         while _idle:
-            _discard(_idle.popitem(last=False)[1])
+            _discard(_unpark(next(iter(_idle))))  # type: ignore[arg-type]
     return n
 
 
 def counts() -> dict[str, int]:
-    """Sizes of the consumer tables (mappings in use, idle, claims held)."""
+    """Sizes of the consumer tables (mappings in use, idle, claims held) and the descriptors idle mappings keep."""
     with _lock:
-        return {"mapped": len(_active), "idle": len(_idle), "claims": len(_claims)}
+        return {"mapped": len(_active), "idle": len(_idle), "claims": len(_claims), "idle_fds": _idle_fds}
 
 
 # --- claims on a producer's slot --------------------------------------------
@@ -194,17 +231,16 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
-         own_ptr: int | None, importer: tuple[Callable[[], int], Callable[[int], None]] | None,
-         hold_claim: bool = False) -> _Mapping:
+         own_ptr: int | None, importer: "Importer | None", hold_claim: bool = False) -> _Mapping:
     m = _active.get(key)
-    if m is None and (m := _idle.pop(key, None)) is not None:
+    if m is None and (m := _unpark(key)) is not None:
         _drop_held(m)  # the caller's claim protects the memory now
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
         elif importer is not None:
-            m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1], hold_claim=hold_claim),
-                         allocation_size)
+            m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1], hold_claim=hold_claim,
+                                  descriptors=importer[2]), allocation_size)
         else:
             m = _import(device, memory_handle, allocation_size)
     _active[key] = m
@@ -267,7 +303,7 @@ def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> boo
     held = m.hold_claim and claim_key is not None
     if _idle_limit and (held or not m.hold_claim) and _released_before(key):
         m.held = claim_key if held else None
-        _idle[key] = m
+        _park(key, m)
         _trim_idle()
         return held
     # Other imports are unmapped here, before the claim goes: the producer may
@@ -383,16 +419,16 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any, stream_device: int, memory_device: int,
-            importer: tuple[Callable[[], int], Callable[[int], None]] | None,
-            hold_claim: bool) -> tuple[int, Lease]:
+            importer: "Importer | None", hold_claim: bool) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device``; returns ``(pointer, lease)``.
 
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``) is
     where the release is ordered; ``memory_device`` is the GPU holding the
-    memory. ``importer`` maps and
-    unmaps memory that is not a legacy handle's: ``(map() -> ptr, unmap(ptr))``; ``hold_claim``: its
-    mapping is kept idle only with the claim of its last user (pool imports).
+    memory. ``importer`` maps and unmaps memory that is not a legacy
+    handle's: ``(map() -> ptr, unmap(ptr), descriptors the mapping keeps
+    open)``; ``hold_claim``: its mapping is kept idle only with the claim of
+    its last user (pool imports).
     """
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
@@ -406,9 +442,10 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
 
 
 def _forget_after_fork() -> None:
-    global _queue
+    global _queue, _idle_fds
     _active.clear()
     _idle.clear()
+    _idle_fds = 0
     _claims.clear()
     _released.clear()
     _queue = None

@@ -23,8 +23,8 @@ from . import _cuda
 from ._errors import IpcError
 from ._wire import MAX_PIECES
 
-__all__ = ["allocate", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm", "pieces_id",
-           "pieces_of", "sweep", "unmap"]
+__all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm",
+           "pieces_id", "pieces_of", "sweep", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -234,16 +234,17 @@ def _map_and_release(handles: list[tuple[Any, int]], device: int) -> int:
     ``device``; the handles are released (the mappings hold the memory). Returns the first address."""
     driver = _driver()
     total = sum(size for _, size in handles)
-    ptr = 0
+    ptr = at = 0
     mapped: list[int] = []
     try:
         err, ptr = driver.cuMemAddressReserve(total, 0, 0, 0)
         _cuda.check("reserving addresses for the mapping", err)
-        ptr = int(ptr)
+        ptr = at = int(ptr)
         for handle, size in handles:
-            (err,) = driver.cuMemMap(ptr + sum(mapped), size, 0, handle, 0)
+            (err,) = driver.cuMemMap(at, size, 0, handle, 0)
             _cuda.check("mapping the allocation", err)
             mapped.append(size)
+            at += size
         (err,) = driver.cuMemSetAccess(ptr, total, [_cuda.access_desc(device)], 1)
         _cuda.check(f"giving GPU {device} access to the mapping", err)
     except BaseException:
@@ -301,6 +302,19 @@ class _Owner:
             pass
 
 
+def allocation_prop(device: int, shareable: bool = True) -> Any:
+    """The properties of a ``cuMemCreate`` allocation on ``device``, with a POSIX file-descriptor handle type
+    if ``shareable``."""
+    driver = _driver()
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    if shareable:
+        prop.requestedHandleTypes = _cuda.posix_fd()
+    return prop
+
+
 def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
     """A ``cupy.cuda.MemoryPointer`` to ``nbytes`` (rounded up to the granularity) of virtual memory on the
     current GPU, created with a POSIX file-descriptor handle type (unless not ``shareable``), as ``pieces``
@@ -314,12 +328,7 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
     driver = _driver()
     device = runtime.getDevice()
     runtime.setDevice(device)  # the context, current for the driver calls
-    prop = driver.CUmemAllocationProp()
-    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = device
-    if shareable:
-        prop.requestedHandleTypes = _cuda.posix_fd()
+    prop = allocation_prop(device, shareable)
     err, granularity = driver.cuMemGetAllocationGranularity(
         prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
     _cuda.check("reading the allocation granularity", err)

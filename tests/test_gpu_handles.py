@@ -231,6 +231,29 @@ def test_reopening_an_evicted_mapping_reads_the_right_data(consumer):
     assert consumer.call("reopen_after_eviction", [data[i] for i in order]) == [i + 1 for i in order]
 
 
+def test_a_buffer_freed_while_its_mapping_is_idle_does_not_shadow_the_next_allocation_there(remote):
+    # The consumer keeps the mapping of a buffer sent twice idle; the producer then frees the buffer and
+    # allocates another of the same size. Seen on an H200: the driver placed it at the same address with the
+    # very same IPC handle while the old one stayed mapped elsewhere. Each allocation must read its own values.
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    pool = cupy.get_default_memory_pool()
+    got, handles = [], set()
+    for v in range(1, 7):
+        a = cupy.full(1 << 18, v, cupy.float32)
+        data = [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(2)]
+        handles.add(cupy_ipc.IpcArrayHandle.from_bytes(data[0]).memory_handle)
+        got.append([g["value"] for g in consumer.call("open_each", data)])
+        del a
+        cupy_ipc.collect()
+        cupy.cuda.runtime.deviceSynchronize()
+        pool.free_all_blocks()
+    assert got == [[float(v)] * 2 for v in range(1, 7)], f"{len(handles)} distinct handles"
+
+
 def test_device_uuids_are_whole():
     # CuPy's device properties end a UUID at its first zero byte; handles carry all 16, as nvidia-smi shows them.
     import os

@@ -106,7 +106,7 @@ def test_a_pool_array_sent_again_keeps_its_import_with_a_claim_on_the_producers_
     assert got[3]["ptr"] == got[2]["ptr"] == got[1]["ptr"]  # re-opened from the idle import
     cupy_ipc.collect()
     assert len(cupy_ipc.pinned()) == before + 1  # the last export, claimed by the idle import
-    assert consumer.call("collect_and_count") == {"mapped": 0, "idle": 0, "claims": 0}
+    assert consumer.call("collect_and_count") == {"mapped": 0, "idle": 0, "claims": 0, "idle_fds": 0}
     cupy_ipc.collect()
     assert len(cupy_ipc.pinned()) == before
 

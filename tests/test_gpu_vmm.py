@@ -164,17 +164,12 @@ def _over(a, nbytes):
 
 def _replace_piece(a, at, size):
     """Map a new allocation of ``size`` bytes at address ``at`` of ``a``'s virtual memory, in place of the old."""
-    from cupy_ipc import _cuda
+    from cupy_ipc import _cuda, _vmm
 
     driver = _cuda._driver()
     (err,) = driver.cuMemUnmap(at, size)
     _cuda.check("unmapping", err)
-    prop = driver.CUmemAllocationProp()
-    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.location.id = a.device.id
-    prop.requestedHandleTypes = _cuda.posix_fd()
-    err, handle = driver.cuMemCreate(size, prop, 0)
+    err, handle = driver.cuMemCreate(size, _vmm.allocation_prop(a.device.id), 0)
     _cuda.check("creating", err)
     (err,) = driver.cuMemMap(at, size, 0, handle, 0)
     _cuda.check("mapping", err)
@@ -200,6 +195,7 @@ def test_a_vmm_array_sent_again_opens_from_its_idle_mapping_but_not_once_a_piece
     h.release()
     assert [g["value"] for g in got] == [float(N)] * 3
     assert [g["idle"] for g in got] == [0, 1, 1]
+    assert [g["idle_fds"] for g in got] == [0, 2, 2]  # one descriptor per piece, kept for sending on
     assert got[2]["ptr"] == got[1]["ptr"]  # re-opened from the idle mapping
     cupy.cuda.Device().synchronize()
     _replace_piece(a, a.data.ptr + piece, piece)
@@ -209,7 +205,34 @@ def test_a_vmm_array_sent_again_opens_from_its_idle_mapping_but_not_once_a_piece
     assert got[0]["value"] == 5.0  # the new piece, not the idle mapping's old one
     assert got[0]["idle"] == 1  # that one stays idle; the new mapping, released once, is gone
     cupy_ipc.collect()
-    assert consumer.call("collect_and_count") == {"mapped": 0, "idle": 0, "claims": 0}
+    assert consumer.call("collect_and_count") == {"mapped": 0, "idle": 0, "claims": 0, "idle_fds": 0}
+
+
+def test_idle_vmm_mappings_are_evicted_oldest_first_once_their_descriptors_pass_the_budget(remote):
+    # Each idle mapping of virtual memory keeps a descriptor per piece; past the budget (a quarter of the
+    # open-file limit, 5 here) the oldest such mappings are unmapped and their descriptors closed.
+    import cupy
+
+    import cupy_ipc
+    from workers import vmm_array
+
+    arrays = [vmm_array(2 * N, pieces=2) for _ in range(3)]  # two pieces each
+    consumer = remote()
+    consumer.call("open_each", [cupy_ipc.get_ipc_handle(cupy.ones(4, cupy.float32)).to_bytes()])  # attach
+    fds_before = consumer.call("open_fds")
+    assert consumer.call("set_idle_fd_limit", 5) > 5
+    counts = []
+    for a in arrays:  # each sent twice: the second release keeps the mapping idle
+        got = consumer.call("open_each", [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(2)], N)
+        assert [g["value"] for g in got] == [float(N)] * 2
+        counts.append((got[-1]["idle"], got[-1]["idle_fds"]))
+    assert counts == [(1, 2), (2, 4), (2, 4)]  # the third pushed the first out
+    # The first array's mapping is gone: sent again, it is mapped anew (released before: kept idle again,
+    # evicting the second).
+    got = consumer.call("open_each", [cupy_ipc.get_ipc_handle(arrays[0]).to_bytes()], N)
+    assert (got[0]["value"], got[0]["idle"], got[0]["idle_fds"]) == (float(N), 2, 4)
+    assert consumer.call("collect_and_count") == {"mapped": 0, "idle": 0, "claims": 0, "idle_fds": 0}
+    assert consumer.call("open_fds") == fds_before
 
 
 @pytest.fixture

@@ -331,6 +331,15 @@ def open_each(items: list[bytes], index: int = 0) -> list[dict[str, Any]]:
     return out
 
 
+def set_idle_fd_limit(n: int) -> int:
+    """Let idle mappings keep at most ``n`` descriptors; returns the default the library computed."""
+    from cupy_ipc import _mapping
+
+    old = _mapping._fd_limit()
+    _mapping._idle_fd_limit = n
+    return old
+
+
 def collect_and_count() -> dict[str, int]:
     from cupy_ipc import _mapping
 
