@@ -96,7 +96,9 @@ def set_idle_mapping_limit(n: int) -> int:
     """Keep at most ``n`` unused mappings for re-opening; returns the old limit.
 
     A re-sent buffer whose mapping is idle opens without a CUDA IPC call.
-    ``0`` unmaps as soon as the last array using a mapping is gone.
+    ``0`` unmaps as soon as the last array using a mapping is gone. Idle
+    mappings of virtual memory, which keep a descriptor per piece, are also
+    evicted (oldest first) past a quarter of the open-file limit.
 
     Example:
         >>> old = set_idle_mapping_limit(0)
@@ -139,7 +141,7 @@ def _trim_idle() -> None:
     # buffers, an unmap there slowed the next open more than it saved here.
     while len(_idle) > _idle_limit:
         _discard(_unpark(next(iter(_idle))))  # type: ignore[arg-type]
-    if _idle_fds > _fd_limit():
+    if _idle_fds and _idle_fds > _fd_limit():
         for key in [k for k, m in _idle.items() if m.descriptors]:  # oldest first
             _discard(_unpark(key))  # type: ignore[arg-type]
             if _idle_fds <= _fd_limit():
