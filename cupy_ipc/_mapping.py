@@ -14,12 +14,12 @@ the lease is released:
 3. a mapping with no users is unmapped, unless the same allocation was
    released here before (a buffer sent again): then it is kept idle for
    re-opening (up to :func:`set_idle_mapping_limit`) and unmapped when
-   evicted or collected. Virtual memory keeps one descriptor open per mapped
-   piece (to be sent on), so idle ones are also evicted, oldest first, once
-   they hold more than a quarter of the process's open-file limit. An imported pool allocation must be freed here
+   evicted or collected. An imported pool allocation must be freed here
    before its producer frees it (CUDA's rule), so it is kept idle only with
    the last claim on it, which pins the producer's memory until the mapping
-   is evicted.
+   is evicted. A mapping of virtual memory keeps one descriptor open per
+   piece (to be sent on), so idle ones are also evicted, oldest first, once
+   they hold more than a quarter of the process's open-file limit.
 """
 
 from __future__ import annotations
