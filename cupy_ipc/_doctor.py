@@ -217,10 +217,9 @@ _POOL: dict[str, Any] = {"name": "pool-fd", "title": "descriptors, stream-ordere
 def _descriptor_support(devices: list[int], attribute: str, what: str) -> str | None:
     """Why ``what`` cannot be shared by POSIX descriptor on ``devices`` (the device ``attribute`` says), or None."""
     try:
-        from cuda.bindings import driver
-
+        driver = _cuda._driver()
         attr = getattr(driver.CUdevice_attribute, attribute)
-        posix = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        posix = _cuda.posix_fd()
         for d in devices:
             err, value = driver.cuDeviceGetAttribute(attr, d)
             # The pool attribute is a mask of handle types; the virtual-memory one is a yes or no.
