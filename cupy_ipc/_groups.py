@@ -1,17 +1,18 @@
 """Process groups: every rank maps the arrays of the other ranks on its host.
 
 :func:`all_gather` works over an ``mpi4py`` communicator or a
-``torch.distributed`` process group (gloo or nccl), and moves the handles with
-that engine's own object collective (``comm.allgather``,
-``torch.distributed.all_gather_object``). It takes two collectives: the
-handles, and whether every rank could open them, so that a failure raises on
-every rank rather than leaving some waiting; the first call on a group takes
-one more, to learn which ranks share the host.
+``torch.distributed`` process group (gloo or nccl). It takes two collectives:
+the handles (``comm.allgather``, or one ``torch.distributed.all_gather`` of
+fixed-size byte rows), and a reduction saying whether any rank failed to open
+them, so that a failure raises on every rank rather than leaving some
+waiting (the messages are gathered only then); the first call on a group
+takes one more, to learn which ranks share the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import struct
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._array_handle import IpcArrayHandle, get_ipc_handle
@@ -21,28 +22,90 @@ from ._identity import this_process
 __all__ = ["Gathered", "all_gather", "node_local_ranks"]
 
 
-def _engine(group: Any) -> tuple[int, int, Callable[[Any], list[Any]]]:
-    """``(rank, size, allgather)`` for an mpi4py communicator or a torch.distributed group."""
-    if hasattr(group, "allgather") and hasattr(group, "Get_rank"):  # mpi4py.MPI.Comm
-        return group.Get_rank(), group.Get_size(), group.allgather
-    if type(group).__module__.startswith("torch"):
-        import torch.distributed as dist
+class _Engine:
+    """The collectives all_gather needs, over an mpi4py communicator or a torch.distributed group."""
 
-        size = dist.get_world_size(group)
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.mpi = hasattr(group, "allgather") and hasattr(group, "Get_rank")  # mpi4py.MPI.Comm
+        if self.mpi:
+            self.rank, self.size = group.Get_rank(), group.Get_size()
+        elif type(group).__module__.startswith("torch"):
+            import torch.distributed as dist
 
-        def gather(obj: Any) -> list[Any]:
-            out: list[Any] = [None] * size
-            dist.all_gather_object(out, obj, group=group)
-            return out
+            self.dist = dist
+            self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            raise TypeError(
+                f"group must be an mpi4py communicator or a torch.distributed process group, not {group!r}")
 
-        return dist.get_rank(group), size, gather
-    raise TypeError(f"group must be an mpi4py communicator or a torch.distributed process group, not {group!r}")
+    def objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
+        if self.mpi:
+            return self.group.allgather(obj)
+        out: list[Any] = [None] * self.size
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def handles(self, data: bytes | None) -> list[bytes | None]:
+        """Every rank's handle bytes, or ``None``, by rank.
+
+        Over torch.distributed: one tensor gather of fixed-size rows, where
+        ``all_gather_object`` makes two (sizes, then data) and pickles. A
+        handle too long for its row follows in an object gather, which every
+        rank then makes, having seen the same lengths.
+        """
+        if self.mpi:
+            return self.group.allgather(data)  # pickled in one collective
+        import torch
+
+        row = bytearray(_ROW)
+        n = -1 if data is None else len(data)
+        _LENGTH.pack_into(row, 0, n)
+        if 0 <= n <= _ROW - _LENGTH.size:
+            row[_LENGTH.size:_LENGTH.size + n] = data  # type: ignore[index]
+        mine = torch.frombuffer(row, dtype=torch.uint8).to(self._device())
+        rows = [torch.empty_like(mine) for _ in range(self.size)]
+        self.dist.all_gather(rows, mine, group=self.group)
+        everything = torch.cat(rows).cpu().numpy().tobytes()
+        out: list[bytes | None] = []
+        spill = False
+        for at in range(0, self.size * _ROW, _ROW):
+            (length,) = _LENGTH.unpack_from(everything, at)
+            spill |= length > _ROW - _LENGTH.size
+            out.append(None if length < 0 else everything[at + _LENGTH.size:at + _LENGTH.size + length])
+        if spill:
+            long = self.objects(data if n > _ROW - _LENGTH.size else None)
+            out = [b if b is not None else a for a, b in zip(out, long)]
+        return out
+
+    def failed(self, flag: bool) -> bool:
+        """Whether any rank passed True: one reduction."""
+        if self.mpi:
+            return self.group.allreduce(int(flag)) > 0
+        import torch
+
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self._device())
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def _device(self) -> Any:
+        import torch
+
+        # nccl moves CUDA tensors only; gloo, and groups with a CPU backend ("cpu:gloo,cuda:nccl"), CPU ones.
+        if self.dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
 
-def _local_ranks(gather: Callable[[Any], list[Any]]) -> list[int]:
+_ROW = 1024  # bytes per rank in a handle gather: the length, then the handle (273 + 16 per dimension)
+_LENGTH = struct.Struct("<q")
+
+
+def _local_ranks(engine: _Engine) -> list[int]:
     """The ranks on this host (same kernel boot), gathered with one collective."""
     me = this_process()
-    return [r for r, (boot_id, _) in enumerate(gather((me.boot_id, me.host))) if boot_id == me.boot_id]
+    return [r for r, (boot_id, _) in enumerate(engine.objects((me.boot_id, me.host))) if boot_id == me.boot_id]
 
 
 def node_local_ranks(group: Any) -> list[int]:
@@ -53,7 +116,7 @@ def node_local_ranks(group: Any) -> list[int]:
         >>> cupy_ipc.node_local_ranks(MPI.COMM_WORLD)    # doctest: +SKIP
         [0, 1]
     """
-    return _local_ranks(_engine(group)[2])
+    return _local_ranks(_Engine(group))
 
 
 class Gathered(Sequence[Any]):
@@ -118,21 +181,23 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
 
     Raises:
         IpcError: On every rank, if any rank of this host could not open a
-            peer's array (the message names them).
+            peer's array (the message names them); each rank's export is
+            then released once the peers that opened it are done.
 
     Example:
         >>> with cupy_ipc.all_gather(buf, MPI.COMM_WORLD) as bufs:   # doctest: +SKIP
         ...     total = sum(b.sum() for b in bufs)
     """
-    rank, size, gather = _engine(group)
+    engine = _Engine(group)
+    rank, size = engine.rank, engine.size
     known = _group_hosts.get(id(group))
     if known is None or known[0] is not group:
         # Every rank calls all_gather on the group alike, so all learn it in the same call.
-        known = _group_hosts[id(group)] = (group, _local_ranks(gather))
+        known = _group_hosts[id(group)] = (group, _local_ranks(engine))
     local = known[1]
     peers = len(local) - 1
-    data = get_ipc_handle(array, consumers=peers).to_bytes() if peers else None
-    everything = gather(data)
+    mine = get_ipc_handle(array, consumers=peers) if peers else None
+    everything = engine.handles(mine.to_bytes() if mine is not None else None)
     if peers and device is None:
         import cupy
 
@@ -151,9 +216,10 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
         except Exception as e:  # reported to every rank below
             error = f"rank {rank} could not open rank {r}'s array: {type(e).__name__}: {e}"
             break
-    errors = [e for e in gather(error) if e]
     result = Gathered(rank, arrays, handles)
-    if errors:
+    if engine.failed(error is not None):  # only then are the messages gathered
         result.close()
-        raise IpcError("all_gather failed: " + "; ".join(errors))
+        if mine is not None:  # not every peer opened it: let it go once those that did are done
+            mine.release()
+        raise IpcError("all_gather failed: " + "; ".join(e for e in engine.objects(error) if e))
     return result

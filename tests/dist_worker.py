@@ -1,15 +1,21 @@
 """One rank of the all_gather checks, started by torchrun or mpirun (not collected by pytest).
 
-    torchrun --standalone --nproc-per-node N tests/dist_worker.py torch gloo|nccl [--early-exit|--exit-in-turn]
+    torchrun --standalone --nproc-per-node N tests/dist_worker.py torch gloo|nccl [MODE]
     mpirun -n N python tests/dist_worker.py mpi
 
 Each rank writes its rank number into its buffer, gathers, and checks every
-rank's buffer. With ``--early-exit`` rank 1 leaves right after the gather,
-without closing; rank 0 still reads rank 1's buffer, closes, and checks that
-its own export is released. With ``--exit-in-turn`` ranks N-1, N-2, ..., 1
-leave one after another, half a second apart, without closing; each rank
-still there reads every buffer between departures, and rank 0, last, closes
-and checks that its export is released.
+rank's buffer. MODE changes what follows:
+
+- ``--early-exit``: rank 1 leaves right after the gather, without closing;
+  rank 0 still reads rank 1's buffer, closes, and checks that its own export
+  is released.
+- ``--exit-in-turn``: ranks N-1, N-2, ..., 1 leave one after another, half a
+  second apart, without closing; each rank still there reads every buffer
+  between departures, and rank 0, last, closes and checks that its export is
+  released.
+- ``--rank-0-fails``: rank 0 asks for a GPU it does not have, so it cannot
+  open its peers' arrays: every rank must raise ``IpcError`` naming rank 0,
+  and no export may stay pinned.
 """
 
 from __future__ import annotations
@@ -56,6 +62,24 @@ def main() -> None:
         cupy.cuda.Device(device).use()
 
     a = cupy.full(1 << 20, rank, dtype=cupy.int32)
+    if "--rank-0-fails" in sys.argv:
+        try:
+            cupy_ipc.all_gather(a, group, device=ngpu if rank == 0 else None)
+        except cupy_ipc.IpcError as e:
+            assert "rank 0 could not open rank 1's array" in str(e), str(e)
+        else:
+            raise AssertionError(f"rank {rank}: all_gather did not raise")
+        barrier()  # every rank has dropped its mappings of the others' arrays
+        deadline = time.monotonic() + 10
+        while cupy_ipc.pinned() and time.monotonic() < deadline:
+            cupy_ipc.collect()
+            time.sleep(0.05)
+        assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+        print(f"RANK {rank} FAILURE-REPORTED OK", flush=True)
+        barrier()
+        if engine == "torch":
+            dist.destroy_process_group()
+        return
     gathered = cupy_ipc.all_gather(a, group)
     seen = []
     for r, b in enumerate(gathered):

@@ -87,8 +87,10 @@ def _ranks() -> int:
 
 
 @pytest.mark.parametrize("backend,mode", [("gloo", None), ("nccl", None), ("gloo", "--early-exit"),
-                                          ("gloo", "--exit-in-turn")],
-                         ids=["gloo", "nccl", "gloo-rank-1-exits-early", "gloo-ranks-exit-in-turn"])
+                                          ("gloo", "--exit-in-turn"), ("gloo", "--rank-0-fails"),
+                                          ("nccl", "--rank-0-fails")],
+                         ids=["gloo", "nccl", "gloo-rank-1-exits-early", "gloo-ranks-exit-in-turn",
+                              "gloo-rank-0-cannot-open", "nccl-rank-0-cannot-open"])
 def test_all_gather_under_torchrun(backend, mode):
     if importlib.util.find_spec("torch") is None:
         pytest.skip("PyTorch is not installed")
@@ -97,6 +99,9 @@ def test_all_gather_under_torchrun(backend, mode):
            backend] + ([mode] if mode else [])
     r, out = _run(cmd)
     assert r.returncode == 0, out[-4000:]
+    if mode == "--rank-0-fails":
+        assert all(f"RANK {k} FAILURE-REPORTED OK" in out for k in range(n)), out[-4000:]
+        return
     assert all(f"RANK {k} OK" in out for k in range(n)) and "mapped on GPU" in out, out[-4000:]
     if mode == "--early-exit":
         assert "RANK 0 EARLY-EXIT OK" in out, out[-4000:]

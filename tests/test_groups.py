@@ -26,6 +26,9 @@ class HostsComm:
     def Get_size(self) -> int:
         return len(self.hosts)
 
+    def allreduce(self, value):
+        return value
+
     def allgather(self, obj):
         me = this_process()
         if isinstance(obj, tuple) and obj == (me.boot_id, me.host):
@@ -60,7 +63,46 @@ def test_hosts_are_gathered_once_per_group():
             Counting.calls += 1
             return super().allgather(obj)
 
+        def allreduce(self, value):
+            Counting.reductions += 1
+            return super().allreduce(value)
+
+    Counting.reductions = 0
     comm = Counting(1, ["a", "here", "b"])
-    for expected in (3, 5, 7):  # hosts, handles and errors; then handles and errors
+    for gathers, reductions in ((2, 1), (3, 2), (4, 3)):  # hosts and handles, then handles; whether any failed
         cupy_ipc.all_gather(np.arange(3), comm).close()
-        assert Counting.calls == expected
+        assert (Counting.calls, Counting.reductions) == (gathers, reductions)
+
+
+def test_torch_engine_gathers_short_missing_and_long_handles_and_any_failure(tmp_path):
+    # gloo on the CPU: the tensor gather of fixed-size rows, its spill for a handle longer than a row,
+    # and the failure reduction, as every rank sees them.
+    pytest.importorskip("torch.distributed")
+    import multiprocessing
+
+    from workers import gloo_engine_rank
+
+    from cupy_ipc._groups import _ROW
+
+    ctx = multiprocessing.get_context("spawn")
+    datas = [b"\x01handle" * 10, None, bytes(range(256)) * (2 * _ROW // 256), b""]
+    conns, procs = [], []
+    for rank, data in enumerate(datas):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=gloo_engine_rank, args=(rank, len(datas), str(tmp_path / "store"), data, rank == 2,
+                                                       theirs), daemon=True)
+        p.start()
+        conns.append(mine)
+        procs.append(p)
+    try:
+        for rank, conn in enumerate(conns):
+            assert conn.poll(120), f"rank {rank} did not answer"
+            status, out = conn.recv()
+            assert status == "ok", out
+            assert out == {"rank": rank, "size": 4, "handles": datas, "failed": True, "none_failed": False,
+                           "objects": [0, 1, 2, 3]}
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()

@@ -603,3 +603,21 @@ def torch_expandable_producer(n: int) -> dict[str, Any]:
     _held.setdefault("tensors", []).append(t)
     h = cupy_ipc.get_ipc_handle(t)
     return {"kind": h.kind, "data": h.to_bytes(), "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
+
+# --- process groups --------------------------------------------------------------
+def gloo_engine_rank(rank: int, size: int, store: str, data: Any, fail: bool, conn: Any) -> None:
+    """One rank of a gloo group on the CPU: what all_gather's collectives give it, sent on ``conn``."""
+    try:
+        import torch.distributed as dist
+
+        from cupy_ipc._groups import _Engine
+
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+        engine = _Engine(dist.group.WORLD)
+        out = {"rank": engine.rank, "size": engine.size, "handles": engine.handles(data),
+               "failed": engine.failed(fail), "none_failed": engine.failed(False), "objects": engine.objects(rank)}
+        dist.destroy_process_group()
+        conn.send(("ok", out))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send(("err", repr(e)))
