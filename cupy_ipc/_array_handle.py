@@ -185,7 +185,7 @@ def _template(arr: Any) -> ArrayFields:
             lo, hi = byte_extent(arr.shape, arr.strides, dtype.itemsize)
             with _cuda.using_device(device):
                 pieces = _vmm.export_pieces(arr.data.ptr + lo, arr.data.ptr + hi, device)  # binds a context
-                _vmm.sweep()
+                _vmm.sweep_if_grown()
             base, size = pieces[0][0], sum(p[1] for p in pieces)
             buffer_id = pieces[0][4]
             fd, resource = pieces[0][2], _vmm.pieces_id(tuple(p[3] for p in pieces))

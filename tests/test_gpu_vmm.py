@@ -133,6 +133,31 @@ def test_the_producer_closes_descriptors_of_freed_allocations(remote):
     assert fds() == mid
 
 
+def test_descriptors_of_freed_allocations_stay_bounded_between_collects(remote):
+    # Exports sweep only once the descriptors kept have doubled (64 at least): never more are open.
+    import cupy_ipc
+    from cupy_ipc import _vmm
+    from workers import vmm_array
+
+    consumer = remote()
+    cupy_ipc.collect()
+    start, kept = len(os.listdir("/proc/self/fd")), []
+    for _ in range(300):
+        a = vmm_array(4096)
+        assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())["sum"] == \
+            float(np.arange(4096).sum())
+        del a
+        kept.append(len(_vmm._exports))
+    assert max(kept) <= _vmm._SWEEP_FLOOR and min(kept[_vmm._SWEEP_FLOOR:]) < _vmm._SWEEP_FLOOR // 2, kept
+    assert len(os.listdir("/proc/self/fd")) <= start + _vmm._SWEEP_FLOOR
+    deadline = time.monotonic() + 10  # the consumer's release of the last one may still be on its way
+    cupy_ipc.collect()
+    while _vmm._exports and time.monotonic() < deadline:
+        time.sleep(0.05)
+        cupy_ipc.collect()
+    assert not _vmm._exports
+
+
 def test_a_new_allocation_mapped_where_an_old_one_was_shares_its_own_memory(remote):
     # PyTorch's expandable segments unmap freed pages and later map new allocations at the same addresses.
     import cupy
