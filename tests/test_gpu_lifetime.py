@@ -92,6 +92,34 @@ def test_consumers_count_allows_several_processes(remote):
     assert kind == "IpcError" and "no longer shares" in message
 
 
+def test_exports_awaiting_consumers_are_checked_a_constant_number_of_times_per_export(remote, monkeypatch):
+    # A thousand exports that no consumer opens yet (a pool mapping over many arrays): each export
+    # checking every pin would read a pin's count about 500,000 times; amortized, about 8 per export.
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _keepalive, _segment
+
+    checks = []
+    opens = _segment.Segment.opens
+    monkeypatch.setattr(_segment.Segment, "opens", lambda self, slot: checks.append(slot) or opens(self, slot))
+    stuck = cupy.zeros(16, cupy.float32)
+    waiting = [cupy_ipc.get_ipc_handle(stuck) for _ in range(1000)]
+    assert len(checks) < 16 * 1000, len(checks)
+    # A buffer sent now and done with is still freed within an eighth of the pins' worth of exports.
+    a = cupy.full(16, 3, cupy.float32)
+    h = cupy_ipc.get_ipc_handle(a)
+    assert remote().call("read_first", h.to_bytes()) == 3
+    time.sleep(0.1)  # the consumer's release of its claim
+    export_id = h._f.export_id
+    for _ in range(len(waiting) // 8 + 2):
+        waiting.append(cupy_ipc.get_ipc_handle(stuck))
+    assert _keepalive.lookup(export_id) is None
+    for w in waiting:
+        w.release()
+    assert cupy_ipc.pinned() == []
+
+
 def test_ten_thousand_cycles_leak_nothing(remote):
     import cupy
 
