@@ -25,16 +25,21 @@ import sys
 import time
 
 
-def _close_and_check_released(gathered) -> None:
-    """Close the mappings; this rank's export must be released (the departed ranks' claims died with them)."""
+def _check_released() -> None:
+    """This rank's export must be released within 10 s (its peers' claims are gone: dropped, or died with them)."""
     import cupy_ipc
 
-    gathered.close()
     deadline = time.monotonic() + 10
     while cupy_ipc.pinned() and time.monotonic() < deadline:
         cupy_ipc.collect()
         time.sleep(0.05)
     assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+
+
+def _close_and_check_released(gathered) -> None:
+    """Close the mappings; this rank's export must be released (the departed ranks' claims died with them)."""
+    gathered.close()
+    _check_released()
 
 
 def main() -> None:
@@ -70,11 +75,7 @@ def main() -> None:
         else:
             raise AssertionError(f"rank {rank}: all_gather did not raise")
         barrier()  # every rank has dropped its mappings of the others' arrays
-        deadline = time.monotonic() + 10
-        while cupy_ipc.pinned() and time.monotonic() < deadline:
-            cupy_ipc.collect()
-            time.sleep(0.05)
-        assert not cupy_ipc.pinned(), cupy_ipc.pinned()
+        _check_released()
         print(f"RANK {rank} FAILURE-REPORTED OK", flush=True)
         barrier()
         if engine == "torch":
