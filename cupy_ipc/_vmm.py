@@ -41,6 +41,7 @@ _ids = itertools.count(1)
 _Key = tuple[int, int, int]
 _exports: dict[int, tuple[int, _Key]] = {}
 _by_mapping: dict[_Key, int] = {}
+_by_fd: dict[int, int] = {}  # descriptor -> allocation id: the descriptor server checks a request in O(1) per number
 # producer: an id for each run of pieces that exports share (see pieces_id), never reused.
 _runs: dict[tuple[int, ...], int] = {}
 _RUNS_MAX = 4096
@@ -101,13 +102,13 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
         alloc_id = next(_ids)
         _exports[alloc_id] = (int(fd), key)  # closed by the sweep once unmapped
         _by_mapping[key] = alloc_id
+        _by_fd[int(fd)] = alloc_id
     return int(fd), alloc_id
 
 
 def exports_fd(fd: int) -> bool:
     """True when ``fd`` is the descriptor of an allocation this process exports."""
-    with _lock:
-        return any(fd == own for own, _ in _exports.values())
+    return fd in _by_fd
 
 
 # Errors that say nothing about the address (no context on this thread, a driver shutting down): keep.
@@ -139,6 +140,8 @@ def sweep() -> int:
     with _lock:
         for alloc_id, fd, key in gone:
             if _exports.pop(alloc_id, None) is not None:
+                if _by_fd.get(fd) == alloc_id:  # before the close, which frees the number for reuse
+                    del _by_fd[fd]
                 os.close(fd)
                 if _by_mapping.get(key) == alloc_id:
                     del _by_mapping[key]
@@ -301,6 +304,7 @@ def forget() -> None:
     _exports.clear()
     _runs.clear()
     _by_mapping.clear()
+    _by_fd.clear()
     _kept.clear()
 
 

@@ -148,6 +148,8 @@ def test_descriptors_of_freed_allocations_stay_bounded_between_collects(remote):
             float(np.arange(4096).sum())
         del a
         kept.append(len(_vmm._exports))
+        # The descriptor server's index names exactly the descriptors of the table.
+        assert _vmm._by_fd == {fd: alloc_id for alloc_id, (fd, _) in _vmm._exports.items()}
     assert max(kept) <= _vmm._SWEEP_FLOOR and min(kept[_vmm._SWEEP_FLOOR:]) < _vmm._SWEEP_FLOOR // 2, kept
     assert len(os.listdir("/proc/self/fd")) <= start + _vmm._SWEEP_FLOOR
     deadline = time.monotonic() + 10  # the consumer's release of the last one may still be on its way
@@ -155,7 +157,7 @@ def test_descriptors_of_freed_allocations_stay_bounded_between_collects(remote):
     while _vmm._exports and time.monotonic() < deadline:
         time.sleep(0.05)
         cupy_ipc.collect()
-    assert not _vmm._exports
+    assert not _vmm._exports and not _vmm._by_fd
 
 
 def test_a_new_allocation_mapped_where_an_old_one_was_shares_its_own_memory(remote):
