@@ -129,8 +129,6 @@ def raw_handle(arr: Any, resent: bool, cache: dict[str, Any]) -> bytes:
 
 # --- the consumer ---------------------------------------------------------------
 def consumer(method: str, inbox: Any, outbox: Any) -> None:
-    import cupy
-
     if method == "torch":
         import torch  # noqa: F401 - unpickling the tensors needs torch's reductions
     if method in ("mp", "pool", "vmm"):
@@ -143,33 +141,40 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
         msg = inbox.get()
         if msg is None:
             break
-        if method == "bare":
-            value = len(msg)
-        elif method == "raw":
-            handle, nbytes, resent = msg
-            arr, ptr = open_raw(handle, nbytes, resent, mapped)
-            value = float(arr[0])
-            del arr
-            close_raw(ptr, resent)
-        elif method == "cupy_ipc" or method in VARIANTS:
-            from cupy_ipc import IpcArrayHandle
-
-            with IpcArrayHandle.from_bytes(msg) as arr:
-                value = float(arr[0])
-            del arr
-        elif method in ("torch", "mp", "pool", "vmm"):
-            value = float(msg[0])
-            del msg
-        else:  # staging
-            arr = cupy.asarray(msg)
-            value = float(arr[0])
-            del arr
+        value = consume(method, msg, mapped)
+        del msg
         if profiler is not None:
             profiler.disable()
         outbox.put(value)
     if profiler is not None:
         profiler.disable()
     _print_profile(profiler, f"{method} consumer")
+
+
+def consume(method: str, msg: Any, mapped: dict[bytes, int]) -> float:
+    """Open one message of ``method``, read its first element, close it; the value read."""
+    if method == "bare":
+        return float(len(msg))
+    if method == "raw":
+        handle, nbytes, resent = msg
+        arr, ptr = open_raw(handle, nbytes, resent, mapped)
+        value = float(arr[0])
+        del arr
+        close_raw(ptr, resent)
+        return value
+    if method == "cupy_ipc" or method in VARIANTS:
+        from cupy_ipc import IpcArrayHandle
+
+        with IpcArrayHandle.from_bytes(msg) as arr:
+            value = float(arr[0])
+        del arr
+        return value
+    if method in ("torch", "mp", "pool", "vmm"):
+        return float(msg[0])  # the caller drops the message, and with it the array
+    import cupy
+
+    arr = cupy.asarray(msg)  # staging
+    return float(arr[0])
 
 
 # --- the producer -----------------------------------------------------------------

@@ -5,6 +5,9 @@ Runs, on a GPU machine and in one go:
 1. message round trips (``roundtrip.py``) for each size, fresh and re-sent:
    cupy_ipc, ``cupy_ipc.multiprocessing``, raw CuPy runtime calls (the floor),
    ``torch.multiprocessing`` (when PyTorch is installed) and host staging;
+   then the same messages for one size, every method in turn in short runs
+   through one consumer, and the median of the paired runs' ratios
+   (``paired.py``), which moves far less between runs;
 2. event ping-pong between two processes (``events.py``);
 3. read bandwidth of a consumer on a mapped array against a local copy, and
    with two GPUs, peer reads (``bandwidth.py``);
@@ -38,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bandwidth  # noqa: E402 - the benchmark modules sit next to this script
 import events  # noqa: E402
+import paired  # noqa: E402
 import peer_matrix  # noqa: E402
 import plots  # noqa: E402
 import roundtrip  # noqa: E402
@@ -50,6 +54,9 @@ def markdown(doc: dict[str, Any]) -> str:
            f"cupy_ipc {env['cupy_ipc']}; {env['date']}.", f"Command: `{env['command']}`", ""]
     if "roundtrip" in doc:
         out += ["### Message round trips", "", roundtrip.markdown({"results": doc["roundtrip"]})]
+    if "paired" in doc:
+        out += ["### Message round trips in pairs (every method in turn, in runs of "
+                f"{paired.RUN}; ratios: medians over the rounds)", "", paired.markdown(doc["paired"])]
     if "events" in doc:
         e = doc["events"]
         out += ["### Event ping-pong between two processes", "",
@@ -104,7 +111,7 @@ def all_gather_run(ranks: int, iters: int) -> dict[str, Any]:
     return out
 
 
-STEPS = ("roundtrip", "events", "bandwidth", "peer_matrix", "all_gather")
+STEPS = ("roundtrip", "paired", "events", "bandwidth", "peer_matrix", "all_gather")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=900, help="messages per round-trip case, over all rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--paired-methods", default=",".join(paired.METHODS))
+    parser.add_argument("--paired-size", default="1MiB")
+    parser.add_argument("--paired-iters", type=int, default=300, help="messages of each method and kind")
     parser.add_argument("--pingpong-iters", type=int, default=2000)
     parser.add_argument("--bandwidth-bytes", default="1GiB")
     parser.add_argument("--all-gather-iters", type=int, default=100, help="on 2 or more GPUs, with PyTorch")
@@ -147,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = [
         ("roundtrip", lambda: roundtrip.run([roundtrip.parse_size(s) for s in args.sizes.split(",")],
                                             args.methods.split(","), args.iters, args.rounds, args.warmup)),
+        ("paired", lambda: paired.run(args.paired_methods.split(","), roundtrip.parse_size(args.paired_size),
+                                      args.paired_iters, 10)),
         ("events", lambda: events.run(args.pingpong_iters, max(1, args.pingpong_iters // 10))),
         ("bandwidth", lambda: bandwidth.run(roundtrip.parse_size(args.bandwidth_bytes))),
     ]

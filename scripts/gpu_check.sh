@@ -50,7 +50,7 @@ if [ "$PART" = groups ]; then
     bench_rc=$?
 fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
-    timeout 380 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -rfE --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    timeout 380 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -rfEs --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-tests.log"
     gpu_rc=$?
     PYTHONPATH="$SITE" timeout 120 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 \

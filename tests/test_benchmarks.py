@@ -15,6 +15,15 @@ from cupy_ipc._cuda import unavailable_reason
 
 SUITE = pathlib.Path(__file__).parent.parent / "benchmarks" / "suite.py"
 STEPS = SUITE.parent / "steps.py"
+PAIRED = SUITE.parent / "paired.py"
+
+
+def _benchmark_module(name):
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(SUITE.parent))
 
 
 def test_without_a_gpu_the_suite_says_so():
@@ -51,11 +60,7 @@ def test_the_step_timer_reports_every_step_of_each_method():
 
 
 def test_markdown_reports_each_part():
-    sys.path.insert(0, str(SUITE.parent))
-    try:
-        import suite
-    finally:
-        sys.path.remove(str(SUITE.parent))
+    suite = _benchmark_module("suite")
     row = {"bytes": 4096, "iters": 3, "median_us": 100.0, "p10_us": 90.0, "p90_us": 110.0}
     doc = {
         "environment": {"gpus": 1, "gpu": "G", "driver": 1, "runtime": 1, "cupy": "14", "python": "3", "date": "d",
@@ -68,12 +73,16 @@ def test_markdown_reports_each_part():
     }
     doc["peer_matrix"] = [[{"gbps": 4000.0, "values_ok": True}, {"gbps": 390.0, "values_ok": True}],
                           [{"error": "no peer"}, {"gbps": 4100.0, "values_ok": True}]]
+    doc["paired"] = {"bytes": 1 << 20, "iters": 3, "methods": ["raw", "cupy_ipc"], "cases": {
+        "re-sent": {"median_us": {"raw": 80.0, "cupy_ipc": 120.0}, "paired": {"cupy_ipc ÷ raw": 1.46}}}}
     doc["all_gather"] = [{"ranks": 2, "bytes": 1 << 20, "median_us": {"cupy_ipc": 1300.0, "torch": 1360.0,
                                                                        "barrier": 90.0}}]
     text = suite.markdown(doc)
     assert "| 4 KiB | re-sent | 2.00 |" in text  # cupy_ipc ÷ raw
     assert "| GPU 0 | 4000 GB/s | 390 GB/s |" in text and "| GPU 1 | no peer access | 4100 GB/s |" in text
     assert "| 2 | 1300 | 1360 | 1.05 | 90 |" in text
+    assert "| 1 MiB, 3 messages each | raw µs | cupy_ipc µs | cupy_ipc ÷ raw |" in text
+    assert "| re-sent | 80.0 | 120.0 | 1.46 |" in text
     assert "| cupy_ipc.IpcEvent | 70.0 |" in text and "99.0% (target ≥ 98%)" in text and "**x failed:** boom" in text
 
 
@@ -81,7 +90,7 @@ def test_markdown_reports_each_part():
 def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     r = subprocess.run(
         [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
-         "--methods", "bare,raw,cupy_ipc,cupy_ipc-unsafe,mp,pool,vmm", "--pingpong-iters", "20",
+         "--methods", "bare,raw,cupy_ipc,cupy_ipc-unsafe,mp,pool,vmm", "--paired-iters", "4", "--pingpong-iters", "20",
          "--bandwidth-bytes", "16MiB",
          "--all-gather-iters", "5", "--peer-bytes", "4MiB", "--out", str(tmp_path), "--watchdog", "150"],
         capture_output=True, text=True, timeout=200,
@@ -93,6 +102,11 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
         ("bare", False), ("raw", False), ("raw", True), ("cupy_ipc", False), ("cupy_ipc", True),
         ("cupy_ipc-unsafe", False), ("cupy_ipc-unsafe", True), ("mp", False),
         ("mp", True), ("pool", False), ("pool", True), ("vmm", False), ("vmm", True)}
+    pairs = doc["paired"]
+    assert pairs["bytes"] == 1 << 20 and set(pairs["cases"]) == {"fresh", "re-sent"}
+    for case in pairs["cases"].values():
+        assert set(case["median_us"]) == set(pairs["methods"]) >= {"raw", "cupy_ipc", "mp"}
+        assert {"cupy_ipc ÷ raw", "mp ÷ raw"} <= set(case["paired"]) and all(r > 0 for r in case["paired"].values())
     assert doc["events"]["event"]["median_us"] > 0 and doc["events"]["raw"]["median_us"] > 0
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
     if doc["environment"]["gpus"] > 1:
@@ -139,3 +153,23 @@ def test_an_unknown_method_is_refused_before_anything_runs():
         sys.path.remove(str(SUITE.parent))
     with pytest.raises(ValueError, match="unknown method.*cupy-ipc.*choose from.*cupy_ipc-nosync"):
         roundtrip.run([4096], ["raw", "cupy-ipc"], 1, 1, 1)
+
+
+def test_paired_ratios_are_medians_of_per_message_ratios():
+    paired = _benchmark_module("paired")
+    samples = {"raw": [1.0, 2.0, 4.0, 1.0], "cupy_ipc": [1.5, 2.0, 8.0, 3.0], "torch": [3.0, 6.0, 8.0, 6.0]}
+    # Per message: cupy_ipc ÷ raw 1.5, 1, 2, 3; torch ÷ cupy_ipc 2, 3, 1, 2. Not the ratio of the medians (2.5 ÷ 1.5).
+    assert paired.paired_ratios(samples) == {"cupy_ipc ÷ raw": 1.75, "torch ÷ cupy_ipc": 2.0}
+    text = paired.markdown({"bytes": 4096, "iters": 4, "methods": ["raw", "cupy_ipc", "torch"], "cases": {
+        "fresh": {"median_us": {"raw": 1.5, "cupy_ipc": 2.5, "torch": 6.0}, "paired": paired.paired_ratios(samples)}}})
+    assert text.splitlines()[0] == ("| 4 KiB, 4 messages each | raw µs | cupy_ipc µs | torch µs | cupy_ipc ÷ raw "
+                                    "| torch ÷ cupy_ipc |")
+    assert text.splitlines()[2] == "| fresh | 1.5 | 2.5 | 6.0 | 1.75 | 2.00 |"
+
+
+def test_paired_refuses_an_unknown_method_before_anything_runs():
+    r = subprocess.run([sys.executable, str(PAIRED), "--methods", "raw,cupy-ipc"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "unknown method(s) cupy-ipc: choose from raw, cupy_ipc, mp, torch" in r.stderr
+    with pytest.raises(ValueError, match="unknown method.*staging"):
+        _benchmark_module("paired").run(["raw", "staging"], 4096, 1, 1)
