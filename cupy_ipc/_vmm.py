@@ -301,11 +301,13 @@ def unmap(ptr: int, sizes: list[int]) -> None:
 
 def forget() -> None:
     """After fork: the parent's descriptors are not this process's to hand out."""
+    global _sweep_at
     _exports.clear()
     _runs.clear()
     _by_mapping.clear()
     _by_fd.clear()
     _kept.clear()
+    _sweep_at = _SWEEP_FLOOR
 
 
 class _Owner:

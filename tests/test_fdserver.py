@@ -181,3 +181,28 @@ def test_a_forked_child_serves_under_its_own_name():
     os.close(r)
     os.close(w)
     assert child_name != name and serve(lambda n: False) == name
+
+
+def test_a_forked_child_hands_out_none_of_its_parents_exported_descriptors():
+    # The parent's export tables name descriptors the child must not serve: it forgets them at fork.
+    from cupy_ipc import _vmm
+    from cupy_ipc.multiprocessing import _exported_fd
+
+    r, w = os.pipe()
+    fd = os.dup(r)
+    key = (0x7F0000000000, 1, 2)
+    with _vmm._lock:
+        _vmm._exports[-1], _vmm._by_mapping[key], _vmm._by_fd[fd] = (fd, key), -1, -1
+        saved_sweep_at, _vmm._sweep_at = _vmm._sweep_at, 10_000
+    try:
+        assert _exported_fd(fd)
+        pid = _child(lambda: f"{_exported_fd(fd)} {_vmm._sweep_at} {len(_vmm._exports)}", pipe_out=w)
+        line = _read_line(r)
+        os.waitpid(pid, 0)
+    finally:
+        with _vmm._lock:
+            del _vmm._exports[-1], _vmm._by_mapping[key], _vmm._by_fd[fd]
+            _vmm._sweep_at = saved_sweep_at
+        for x in (r, w, fd):
+            os.close(x)
+    assert line == f"False {_vmm._SWEEP_FLOOR} 0", line
