@@ -50,10 +50,7 @@ PAIRS = (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("mp", "raw"), ("torch", "m
 
 
 def consumer(methods: list[str], inbox: Any, outbox: Any) -> None:
-    if "torch" in methods:
-        import torch  # noqa: F401 - unpickling the tensors needs torch's reductions
-    if "mp" in methods:
-        import cupy_ipc.multiprocessing  # noqa: F401
+    roundtrip.load_reductions(methods)
     mapped: dict[bytes, int] = {}
     while True:
         msg = inbox.get()
@@ -84,21 +81,24 @@ def paired_ratios(samples: dict[str, list[float]]) -> dict[str, float]:
 
 RUN = 20  # messages counted per method and round
 SETTLE = 5  # messages sent first in each run, not counted
+WARMUP = 10  # rounds of one message of each method, not counted
+
+
+def check_methods(methods: list[str]) -> None:
+    """``ValueError`` naming any of ``methods`` this benchmark does not know."""
+    if unknown := [m for m in methods if m not in METHODS]:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
 
 
 def run(methods: list[str], nbytes: int, iters: int, warmup: int) -> dict[str, Any]:
     """Fresh, then re-sent: ``iters`` messages of every method (rounded up to whole runs), in rounds of one run
     of each; medians and paired ratios. ``warmup`` rounds of one message each come first."""
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    check_methods(methods)
     methods = [m for m in methods if roundtrip.available(m)]
     if not methods:
         raise ValueError("none of the methods named can run here")
-    if "torch" in methods:
-        import torch.multiprocessing  # noqa: F401 - registers the tensors' reductions here too
-    if "mp" in methods:
-        import cupy_ipc.multiprocessing  # noqa: F401
+    roundtrip.load_reductions(methods)
+    rounds = -(-iters // RUN)
     ctx = multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=consumer, args=(methods, inbox, outbox), daemon=True)
@@ -111,7 +111,7 @@ def run(methods: list[str], nbytes: int, iters: int, warmup: int) -> dict[str, A
             caches: dict[str, dict[str, Any]] = {m: {} for m in methods}
             kept = {m: roundtrip.new_buffer(m, nbytes, 1) for m in methods} if resent else {}
             runs: dict[str, list[float]] = {m: [] for m in methods}  # one median per method and round
-            for r in range(warmup + -(-iters // RUN)):
+            for r in range(warmup + rounds):
                 counted = r >= warmup
                 for method in order.sample(methods, len(methods)):
                     times = []
@@ -143,7 +143,7 @@ def run(methods: list[str], nbytes: int, iters: int, warmup: int) -> dict[str, A
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-    return {"bytes": nbytes, "iters": -(-iters // RUN) * RUN, "methods": methods, "cases": cases}
+    return {"bytes": nbytes, "iters": rounds * RUN, "methods": methods, "cases": cases}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -173,12 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
     parser.add_argument("--size", default="1MiB")
     parser.add_argument("--iters", type=int, default=300, help="messages of each method and kind of buffer")
-    parser.add_argument("--warmup", type=int, default=10, help="rounds of one message of each method first")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="rounds of one message of each method first")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
-    if unknown := [m for m in methods if m not in METHODS]:
-        print(f"paired: unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}", file=sys.stderr)
+    try:
+        check_methods(methods)
+    except ValueError as e:
+        print(f"paired: {e}", file=sys.stderr)
         return 2
 
     from cupy_ipc._cuda import unavailable_reason

@@ -52,6 +52,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Collection
 from typing import Any
 
 METHODS = ("bare", "raw", "cupy_ipc", "mp", "pool", "vmm", "torch", "staging")
@@ -128,11 +129,17 @@ def raw_handle(arr: Any, resent: bool, cache: dict[str, Any]) -> bytes:
 
 
 # --- the consumer ---------------------------------------------------------------
+def load_reductions(methods: Collection[str]) -> None:
+    """Register the picklers that messages of ``methods`` need on either side: torch's for tensors,
+    ``cupy_ipc.multiprocessing``'s for arrays (so that results would travel by handle too)."""
+    if "torch" in methods:
+        import torch  # noqa: F401 - importing torch registers its reductions
+    if not {"mp", "pool", "vmm"}.isdisjoint(methods):
+        import cupy_ipc.multiprocessing  # noqa: F401
+
+
 def consumer(method: str, inbox: Any, outbox: Any) -> None:
-    if method == "torch":
-        import torch  # noqa: F401 - unpickling the tensors needs torch's reductions
-    if method in ("mp", "pool", "vmm"):
-        import cupy_ipc.multiprocessing  # noqa: F401 - results would travel by handle too
+    load_reductions((method,))
     mapped: dict[bytes, int] = {}
     profiler = _profiler()
     while True:

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         ("roundtrip", lambda: roundtrip.run([roundtrip.parse_size(s) for s in args.sizes.split(",")],
                                             args.methods.split(","), args.iters, args.rounds, args.warmup)),
         ("paired", lambda: paired.run(args.paired_methods.split(","), roundtrip.parse_size(args.paired_size),
-                                      args.paired_iters, 10)),
+                                      args.paired_iters, paired.WARMUP)),
         ("events", lambda: events.run(args.pingpong_iters, max(1, args.pingpong_iters // 10))),
         ("bandwidth", lambda: bandwidth.run(roundtrip.parse_size(args.bandwidth_bytes))),
     ]

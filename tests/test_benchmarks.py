@@ -124,11 +124,7 @@ def test_waiting_on_a_dead_partner_ends_with_an_error():
     import multiprocessing
     import os
 
-    sys.path.insert(0, str(SUITE.parent))
-    try:
-        import roundtrip
-    finally:
-        sys.path.remove(str(SUITE.parent))
+    roundtrip = _benchmark_module("roundtrip")
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=os._exit, args=(3,))
@@ -146,11 +142,7 @@ def test_waiting_on_a_dead_partner_ends_with_an_error():
 
 
 def test_an_unknown_method_is_refused_before_anything_runs():
-    sys.path.insert(0, str(SUITE.parent))
-    try:
-        import roundtrip
-    finally:
-        sys.path.remove(str(SUITE.parent))
+    roundtrip = _benchmark_module("roundtrip")
     with pytest.raises(ValueError, match="unknown method.*cupy-ipc.*choose from.*cupy_ipc-nosync"):
         roundtrip.run([4096], ["raw", "cupy-ipc"], 1, 1, 1)
 
