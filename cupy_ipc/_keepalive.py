@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from . import _cuda, _segment
 from ._events import IpcEvent
 from ._identity import this_process
-from ._segment import FREE, PINNED, REVOKED, WRITE, in_use
+from ._segment import ONE_CONSUMER, PINNED, REVOKED
 
 __all__ = ["PinInfo", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
 
@@ -79,7 +79,7 @@ _exports_to_sweep = 0  # exports left before the next one sweeps, once there are
 
 
 def _segment_here() -> _segment.Segment:
-    return _segment.own_segment(this_process().token)
+    return _segment._own or _segment.own_segment(this_process().token)
 
 
 def _take_event(device: int) -> IpcEvent:
@@ -108,7 +108,7 @@ def pin(keep: Any, nbytes: int, device: int, consumers: int, lease: float | None
             _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event.ptr, stream_ptr)
         slot = _free_slots.pop() if _free_slots else next(_slot_counter)
         export_id = next(_export_ids)
-        seg.write(slot, export_id, PINNED)
+        seg.write(slot, export_id, PINNED | ONE_CONSUMER if consumers == 1 else PINNED)
         deadline = None if lease is None else time.monotonic() + lease
         _pins[export_id] = _Pin(export_id, slot, keep, nbytes, device, consumers, deadline, event, description)
     return export_id, slot, (event.get_ipc_handle().event_handle if event is not None else None)
@@ -128,12 +128,10 @@ def _revoke(seg: _segment.Segment, p: _Pin) -> None:
 
 
 def _try_free(seg: _segment.Segment, p: _Pin) -> bool:
-    if not seg.lock(in_use(p.slot), WRITE, wait=False):
+    # Called once the export is revoked or has all its consumers: the slot is
+    # closed to further opens first, then freed if no consumer holds it.
+    if not seg.try_free(p.slot):
         return False  # a consumer still uses it
-    try:
-        seg.write(p.slot, 0, FREE)
-    finally:
-        seg.unlock(in_use(p.slot))
     del _pins[p.export_id]
     _free_slots.append(p.slot)
     if p.event is not None:

@@ -178,44 +178,18 @@ def counts() -> dict[str, int]:
 def _claim(seg: _segment.Segment, token: bytes, pid: int, export_id: int, slot: int) -> tuple[bytes, int]:
     """Hold an export's in-use lock (once per process) and count our open."""
     key = (token, export_id)
-    with _lock:
-        c = _claims.get(key)
-        if c is not None:
-            c.count += 1
-            return key
-        in_use = _segment.in_use(slot)
-        if seg.lock(in_use, _segment.WRITE, wait=False):
-            # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
-            try:
-                _count_open(seg, pid, export_id, slot)
-            except BaseException:
-                seg.unlock(in_use)
-                raise
-            seg.lock(in_use, _segment.READ)
-        else:  # other consumers hold it: share it, and count under the slot's mutex
-            seg.lock(in_use, _segment.READ)
-            try:
-                seg.lock(_segment.mutex(slot), _segment.WRITE)
-                try:
-                    _count_open(seg, pid, export_id, slot)
-                finally:
-                    seg.unlock(_segment.mutex(slot))
-            except BaseException:
-                seg.unlock(in_use)
-                raise
-        c = _claims[key] = _Claim(seg, slot)
-        c.count = 1
+    c = _claims.get(key)
+    if c is not None:
+        c.count += 1
         return key
-
-
-def _count_open(seg: _segment.Segment, pid: int, export_id: int, slot: int) -> None:
-    seen, opens, state = seg.read(slot)
-    if seen != export_id or state != _segment.PINNED:
+    if not seg.claim(slot, export_id):
         raise IpcError(
             f"the producer (pid {pid}) no longer shares this memory: its lease ran out, "
             "it called release(), or as many consumers as it allowed have opened it"
         )
-    seg.write_opens(slot, opens + 1)
+    c = _claims[key] = _Claim(seg, slot)
+    c.count = 1
+    return key
 
 
 def _unclaim(key: tuple[bytes, int] | None) -> None:
@@ -228,21 +202,21 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
     if c.count == 0:
         del _claims[key]
         if c.seg.fd >= 0:
-            c.seg.unlock(_segment.in_use(c.slot))
+            c.seg.lock(_segment.in_use(c.slot), _segment.UNLOCK)
 
 
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
          own_ptr: int | None, importer: "Importer | None", hold_claim: bool = False) -> _Mapping:
     m = _active.get(key)
-    if m is None and (m := _unpark(key)) is not None:
+    if m is None and (m := _unpark(key)) is not None and m.held is not None:
         _drop_held(m)  # the caller's claim protects the memory now
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
         elif importer is not None:
             m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1], hold_claim=hold_claim,
-                                  descriptors=importer[2]), allocation_size)
+                                  descriptors=importer[2]), allocation_size, max(1, importer[2]))
         else:
             m = _import(device, memory_handle, allocation_size)
     _active[key] = m
@@ -260,11 +234,11 @@ def _import(device: int, memory_handle: bytes, allocation_size: int) -> _Mapping
     return _checked(_Mapping(ptr, device, imported=True), allocation_size)
 
 
-def _mapped_bytes(ptr: int, want: int) -> int:
-    """How many bytes from ``ptr`` on are mapped without a gap, counting up to ``want``: virtual memory
-    imported in pieces is one range per piece."""
+def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:
+    """How many bytes from ``ptr`` on are mapped without a gap, in at most ``ranges`` ranges (virtual memory
+    imported in pieces is one range per piece; any other import is one), counting up to ``want``."""
     at = ptr
-    while at - ptr < want:
+    while at - ptr < want and ranges > 0:
         try:
             base, size = _cuda.address_range(at)
         except IpcError:
@@ -272,12 +246,14 @@ def _mapped_bytes(ptr: int, want: int) -> int:
         if base != at:
             break
         at = base + size
+        ranges -= 1
     return at - ptr
 
 
-def _checked(m: _Mapping, allocation_size: int) -> _Mapping:
-    """``m``, unless the driver mapped less than the handle claims (then unmapped)."""
-    size = _mapped_bytes(m.ptr, allocation_size)
+def _checked(m: _Mapping, allocation_size: int, ranges: int = 1) -> _Mapping:
+    """``m``, unless the driver mapped less than the handle claims (then unmapped). Only the import's own
+    ``ranges`` count: another mapping may lie right after it."""
+    size = _mapped_bytes(m.ptr, allocation_size, ranges)
     if size < allocation_size:
         m.unmap()
         raise HandleError(
@@ -306,7 +282,8 @@ def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> boo
     if _idle_limit and (held or not m.hold_claim) and _released_before(key):
         m.held = claim_key if held else None
         _park(key, m)
-        _trim_idle()
+        if len(_idle) > _idle_limit or m.descriptors:
+            _trim_idle()
         return held
     # Other imports are unmapped here, before the claim goes: the producer may
     # free a pool allocation only once every importer has (CUDA's rule).

@@ -11,9 +11,13 @@ producer killed with SIGKILL is seen as gone at once.
 
 - the producer holds a read lock on :data:`ALIVE` for its whole life;
 - a consumer holds a read lock on ``in_use(slot)`` from open until its GPU work
-  on the memory has finished; the producer frees a slot only when it can take
-  a write lock there;
-- ``mutex(slot)`` serialises the read-modify-write of a record.
+  on the memory has finished (:meth:`Segment.claim`); the producer frees a slot
+  only after marking it ``REVOKED`` and then seeing no lock there
+  (:meth:`Segment.try_free`). A consumer checks the state only once it holds
+  its lock, so either the producer sees the lock or the consumer sees the mark;
+- ``mutex(slot)`` serialises the count of opens of an export that admits
+  several consumers; one that admits a single consumer (``ONE_CONSUMER``) is
+  counted without it, since any count above zero says the same.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ import threading
 
 from ._errors import IpcError, ProducerExitedError
 
-__all__ = ["Segment", "attach", "own_segment", "segment_path", "FREE", "PINNED", "REVOKED", "READ", "WRITE"]
+__all__ = ["Segment", "attach", "own_segment", "segment_path", "FREE", "PINNED", "REVOKED", "ONE_CONSUMER", "READ",
+           "WRITE"]
 
 FREE, PINNED, REVOKED = 0, 1, 2
+STATE = 0xFF  # the state's bits of a record's state field
+ONE_CONSUMER = 0x100  # with PINNED: the export admits one consumer
 
 _RECORD = struct.Struct("<QII")
 _U32 = struct.Struct("<I")
@@ -39,8 +46,9 @@ _INITIAL_SLOTS = 1024
 _LOCK_BASE = 1 << 40  # lock bytes live far past the data; locks need no backing bytes
 ALIVE = _LOCK_BASE
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
-READ, WRITE, _UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
+READ, WRITE, UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 _OFD = hasattr(fcntl, "F_OFD_SETLK")
+_ALIVE_QUERY = _FLOCK.pack(WRITE, os.SEEK_SET, ALIVE, 1, 0)
 
 
 def _dir() -> str:
@@ -151,15 +159,16 @@ class Segment:
         return True
 
     def unlock(self, offset: int) -> None:
-        self.lock(offset, _UNLOCK)
+        self.lock(offset, UNLOCK)
 
     def held_by_other(self, offset: int) -> bool:
         """Whether another open file holds a lock that conflicts with a write lock here."""
         got = fcntl.fcntl(self.fd, fcntl.F_OFD_GETLK, _FLOCK.pack(WRITE, os.SEEK_SET, offset, 1, 0))
-        return _FLOCK.unpack(got)[0] != _UNLOCK
+        return _FLOCK.unpack(got)[0] != UNLOCK
 
     def producer_alive(self) -> bool:
-        return self.held_by_other(ALIVE)
+        # Every open asks this: the query is packed once.
+        return _FLOCK.unpack(fcntl.fcntl(self.fd, fcntl.F_OFD_GETLK, _ALIVE_QUERY))[0] != UNLOCK
 
     # --- records -----------------------------------------------------------
     def read(self, slot: int) -> tuple[int, int, int]:
@@ -169,8 +178,8 @@ class Segment:
         return _RECORD.unpack_from(self.mm, at)  # type: ignore[arg-type]
 
     def opens(self, slot: int) -> int:
-        """The ``opens`` count of a slot."""
-        return self.read(slot)[1]
+        """The ``opens`` count of a slot this process wrote (the producer's sweep: no bounds to check)."""
+        return _U32.unpack_from(self.mm, _DATA_START + slot * _RECORD.size + 8)[0]  # type: ignore[arg-type]
 
     def write(self, slot: int, export_id: int, state: int, opens: int = 0) -> None:
         at = _DATA_START + slot * _RECORD.size
@@ -185,6 +194,62 @@ class Segment:
 
     def write_state(self, slot: int, state: int) -> None:
         _U32.pack_into(self.mm, _DATA_START + slot * _RECORD.size + 12, state)  # type: ignore[arg-type]
+
+    # --- the protocol --------------------------------------------------------
+    def claim(self, slot: int, export_id: int) -> bool:
+        """Consumer: hold ``slot``'s in-use lock and count an open of ``export_id``; False, holding nothing, if
+        the slot no longer shares that export.
+
+        One lock call for an export that admits one consumer; two (or four,
+        when another consumer holds the slot) for one that admits several,
+        whose count must be exact.
+        """
+        at = _DATA_START + slot * _RECORD.size
+        if not self._reach(at):
+            return False
+        held = _LOCK_BASE + 1 + 2 * slot
+        if _RECORD.unpack_from(self.mm, at)[2] & ONE_CONSUMER:  # type: ignore[arg-type]
+            self.lock(held, READ)
+            if not self._count(at, export_id):
+                self.unlock(held)
+                return False
+            return True
+        if self.lock(held, WRITE, wait=False):
+            # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
+            if not self._count(at, export_id):
+                self.unlock(held)
+                return False
+            self.lock(held, READ)
+            return True
+        self.lock(held, READ)
+        self.lock(held + 1, WRITE)  # the slot's mutex
+        try:
+            ok = self._count(at, export_id)
+        finally:
+            self.unlock(held + 1)
+        if not ok:
+            self.unlock(held)
+        return ok
+
+    def _count(self, at: int, export_id: int) -> bool:
+        seen, opens, state = _RECORD.unpack_from(self.mm, at)  # type: ignore[arg-type]
+        if seen != export_id or state & STATE != PINNED:
+            return False
+        _U32.pack_into(self.mm, at + 8, opens + 1)  # type: ignore[arg-type]
+        return True
+
+    def try_free(self, slot: int) -> bool:
+        """Producer: end new claims of ``slot``'s export, and free the slot if no consumer holds it.
+
+        One lock call. Once marked, a slot that is still held stays marked until a later call frees it.
+        """
+        at = _DATA_START + slot * _RECORD.size
+        mm = self.mm
+        _U32.pack_into(mm, at + 12, REVOKED)  # type: ignore[arg-type]
+        if self.held_by_other(_LOCK_BASE + 1 + 2 * slot):
+            return False
+        _RECORD.pack_into(mm, at, 0, 0, FREE)  # type: ignore[arg-type]
+        return True
 
 
 # --- this process's own segment, and the segments of producers it opened from ---

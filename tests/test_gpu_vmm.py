@@ -278,3 +278,16 @@ def test_pytorch_expandable_segments_tensor_is_read_by_a_cupy_consumer(expandabl
         assert r["conf"] == "expandable_segments:True" and r["kind"] == "vmm"
         with cupy_ipc.IpcArrayHandle.from_bytes(r["data"]) as a:
             assert float(a.sum()) == pytest.approx(2 * float(np.arange(n).sum()), rel=1e-6) and float(a[3]) == 6.0
+
+
+def test_the_size_check_of_an_import_counts_only_its_own_ranges():
+    """Pieces mapped one after another read as adjacent ranges: the check of a single-range import (a legacy
+    handle, a pool's allocation) must stop after one, or a forged size would be vouched for by the neighbour."""
+    from cupy_ipc import _mapping
+    from workers import vmm_array
+
+    a = vmm_array(2 * N, pieces=2)  # two 4 MiB pieces, adjacent
+    ptr, piece = a.data.ptr, a.nbytes // 2
+    assert _mapping._mapped_bytes(ptr, a.nbytes, 2) == a.nbytes
+    assert _mapping._mapped_bytes(ptr, a.nbytes, 1) == piece
+    assert _mapping._mapped_bytes(ptr, piece, 2) == piece  # counts no further than asked

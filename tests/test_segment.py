@@ -12,7 +12,19 @@ import time
 import pytest
 
 from cupy_ipc import ProducerExitedError, _segment
-from cupy_ipc._segment import ALIVE, FREE, PINNED, READ, REVOKED, WRITE, Segment, in_use, mutex, segment_path
+from cupy_ipc._segment import (
+    ALIVE,
+    FREE,
+    ONE_CONSUMER,
+    PINNED,
+    READ,
+    REVOKED,
+    WRITE,
+    Segment,
+    in_use,
+    mutex,
+    segment_path,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(fcntl, "F_OFD_SETLK"), reason="needs Linux open-file-description locks")
 
@@ -45,6 +57,16 @@ def _attach_and_hold_in_use(token, parent_pid, slot, ready):
 def _attach_and_write(token, parent_pid, slot, export_id, state, opens):
     seg = Segment.attach(token, pid=parent_pid)
     seg.write(slot, export_id, state, opens)
+    seg.close()
+
+
+def _claim_in_turns(token, parent_pid, slot, export_id, times, go, ready):
+    seg = Segment.attach(token, pid=parent_pid)
+    ready.set()
+    go.wait(START_TIMEOUT)
+    for _ in range(times):
+        assert seg.claim(slot, export_id)
+        seg.unlock(in_use(slot))
     seg.close()
 
 
@@ -256,3 +278,98 @@ def test_records_beyond_the_first_mapping_are_shared():
             other.close()
     finally:
         seg.close(unlink=True)
+
+
+# --- the claim and free protocol -------------------------------------------------------------------
+@pytest.mark.parametrize("consumers_flag", [ONE_CONSUMER, 0], ids=["one consumer", "several consumers"])
+def test_a_held_claim_keeps_the_slot_and_a_free_slot_refuses_claims(token, consumers_flag):
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())  # another open file: its locks are separate
+    try:
+        producer.write(4, 77, PINNED | consumers_flag)
+        assert consumer.claim(4, 77)
+        assert producer.opens(4) == 1
+        assert consumer.held_by_other(ALIVE) and producer.held_by_other(in_use(4))
+        assert not producer.try_free(4)  # held: marked, not freed
+        assert producer.read(4) == (77, 1, REVOKED)
+        assert not Segment.attach(token, pid=os.getpid()).claim(4, 77)  # a late consumer is refused
+        consumer.unlock(in_use(4))
+        assert producer.try_free(4)
+        assert producer.read(4) == (0, 0, FREE)
+        assert not consumer.claim(4, 77)
+        assert not producer.held_by_other(in_use(4))  # a refused claim holds nothing
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
+
+
+def test_a_claim_names_its_export(token):
+    """A slot freed and given to another export refuses the old export's handle, and holds nothing."""
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    try:
+        producer.write(0, 5, PINNED | ONE_CONSUMER)
+        assert not consumer.claim(0, 4)
+        assert not consumer.claim(1, 5)  # a slot never written
+        assert not producer.held_by_other(in_use(0))
+        assert producer.try_free(0)
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
+
+
+def test_the_producer_frees_a_slot_once_its_last_holder_is_killed(token, start):
+    producer = Segment.create(token)
+    try:
+        producer.write(3, 9, PINNED | ONE_CONSUMER)
+        p = start(_attach_and_hold_in_use, token, os.getpid(), 3)
+        assert not producer.try_free(3)
+        kill(p)
+        assert producer.try_free(3)
+    finally:
+        producer.close(unlink=True)
+
+
+def test_opens_of_an_export_for_several_consumers_are_counted_exactly(token, start):
+    """Four processes claim one slot 200 times each at once: no open is lost (the count goes through the mutex)."""
+    producer = Segment.create(token)
+    try:
+        producer.write(2, 1, PINNED)
+        go = CTX.Event()
+        procs = [start(_claim_in_turns, token, os.getpid(), 2, 1, 200, go) for _ in range(4)]  # all wait for go
+        go.set()
+        for p in procs:
+            p.join(JOIN_TIMEOUT)
+            assert p.exitcode == 0
+        assert producer.read(2) == (1, 800, PINNED)
+    finally:
+        producer.close(unlink=True)
+
+
+@pytest.mark.parametrize("consumers_flag", [0, ONE_CONSUMER], ids=["several consumers", "one consumer"])
+def test_only_an_export_for_several_consumers_counts_under_the_mutex(token, consumers_flag):
+    """With another consumer on the slot, a claim of a several-consumer export waits for the slot's mutex; one
+    of a single-consumer export does not take it."""
+    import threading
+
+    producer = Segment.create(token)
+    first, second, holder = (Segment.attach(token, pid=os.getpid()) for _ in range(3))
+    try:
+        producer.write(6, 3, PINNED | consumers_flag)
+        assert first.claim(6, 3)
+        assert holder.lock(mutex(6), WRITE, wait=False)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: done.set() if second.claim(6, 3) else None, daemon=True)
+        t.start()
+        if consumers_flag:
+            assert done.wait(5)
+        else:
+            assert not done.wait(0.3)  # waits for the mutex
+            holder.unlock(mutex(6))
+            assert done.wait(5)
+        t.join(5)
+        assert producer.opens(6) == 2
+    finally:
+        for seg in (first, second, holder):
+            seg.close()
+        producer.close(unlink=True)
