@@ -165,3 +165,10 @@ def test_paired_refuses_an_unknown_method_before_anything_runs():
     assert r.returncode == 2 and "unknown method(s) cupy-ipc: choose from raw, cupy_ipc, mp, torch" in r.stderr
     with pytest.raises(ValueError, match="unknown method.*staging"):
         _benchmark_module("paired").run(["raw", "staging"], 4096, 1, 1)
+
+
+def test_paired_takes_the_safety_variants_of_cupy_ipc():
+    paired = _benchmark_module("paired")
+    paired.check_methods(["raw", "cupy_ipc", "cupy_ipc-nosync", "cupy_ipc-nokeep", "cupy_ipc-unsafe"])
+    with pytest.raises(ValueError, match="unknown method.*cupy_ipc-fast"):
+        paired.check_methods(["cupy_ipc-fast"])
