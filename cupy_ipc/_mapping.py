@@ -176,7 +176,7 @@ def counts() -> dict[str, int]:
 
 # --- claims on a producer's slot --------------------------------------------
 def _claim(seg: _segment.Segment, token: bytes, pid: int, export_id: int, slot: int) -> tuple[bytes, int]:
-    """Hold an export's in-use lock (once per process) and count our open."""
+    """Hold an export's in-use lock (once per process) and count our open; the caller holds ``_lock``."""
     key = (token, export_id)
     c = _claims.get(key)
     if c is not None:

@@ -207,7 +207,7 @@ class Segment:
         at = _DATA_START + slot * _RECORD.size
         if not self._reach(at):
             return False
-        held = _LOCK_BASE + 1 + 2 * slot
+        held = in_use(slot)
         if _RECORD.unpack_from(self.mm, at)[2] & ONE_CONSUMER:  # type: ignore[arg-type]
             self.lock(held, READ)
             if not self._count(at, export_id):
@@ -222,11 +222,11 @@ class Segment:
             self.lock(held, READ)
             return True
         self.lock(held, READ)
-        self.lock(held + 1, WRITE)  # the slot's mutex
+        self.lock(mutex(slot), WRITE)
         try:
             ok = self._count(at, export_id)
         finally:
-            self.unlock(held + 1)
+            self.unlock(mutex(slot))
         if not ok:
             self.unlock(held)
         return ok
@@ -246,7 +246,7 @@ class Segment:
         at = _DATA_START + slot * _RECORD.size
         mm = self.mm
         _U32.pack_into(mm, at + 12, REVOKED)  # type: ignore[arg-type]
-        if self.held_by_other(_LOCK_BASE + 1 + 2 * slot):
+        if self.held_by_other(in_use(slot)):
             return False
         _RECORD.pack_into(mm, at, 0, 0, FREE)  # type: ignore[arg-type]
         return True

@@ -313,11 +313,15 @@ def forget() -> None:
 class _Owner:
     """Unmaps an allocation made by :func:`allocate` once no array uses it."""
 
-    def __init__(self, ptr: int, sizes: list[int]) -> None:
-        self.ptr, self.sizes = ptr, sizes
+    def __init__(self, ptr: int, sizes: list[int], device: int) -> None:
+        self.ptr, self.sizes, self.device = ptr, sizes, device
 
     def __del__(self) -> None:
         try:
+            # Unlike cudaFree, unmapping does not wait for the GPU: work still
+            # queued on the memory would fault. Wait as cudaFree would.
+            with _cuda.using_device(self.device):
+                _cuda.rt().deviceSynchronize()
             unmap(self.ptr, self.sizes)
         except Exception:  # noqa: BLE001 - a destructor; the driver frees everything at exit
             pass
@@ -367,5 +371,5 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
         raise
     ptr = _map_and_release(handles, device)
     sizes = [size] * pieces
-    mem = cupy.cuda.UnownedMemory(ptr, size * pieces, _Owner(ptr, sizes), device)
+    mem = cupy.cuda.UnownedMemory(ptr, size * pieces, _Owner(ptr, sizes, device), device)
     return cupy.cuda.MemoryPointer(mem, 0)

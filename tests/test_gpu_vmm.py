@@ -291,3 +291,10 @@ def test_the_size_check_of_an_import_counts_only_its_own_ranges():
     assert _mapping._mapped_bytes(ptr, a.nbytes, 2) == a.nbytes
     assert _mapping._mapped_bytes(ptr, a.nbytes, 1) == piece
     assert _mapping._mapped_bytes(ptr, piece, 2) == piece  # counts no further than asked
+
+
+def test_freeing_virtual_memory_waits_for_work_queued_on_it(remote):
+    """An array of virtual memory dropped while a kernel still has to write it: the unmap waits (as cudaFree
+    does), where an immediate unmap makes that kernel fault. In a process of its own: a fault ends its
+    context."""
+    assert remote().call("free_vmm_while_busy", N) == "ok"

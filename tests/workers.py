@@ -583,6 +583,23 @@ def vmm_array(n: int, shareable: bool = True, pieces: int = 1) -> Any:
     return a
 
 
+def free_vmm_while_busy(n: int) -> str:
+    """Drop an array of virtual memory while a kernel queued after a long one still has to write it; what
+    synchronizing says then ("ok", or the CUDA error: the write faulted on unmapped memory)."""
+    import cupy
+
+    warm_up()
+    a = vmm_array(n)
+    spin(0.3)
+    a.fill(2)  # runs once the spin is done
+    del a
+    try:
+        cupy.cuda.runtime.deviceSynchronize()
+    except Exception as e:  # noqa: BLE001 - the answer is the error itself
+        return str(e)
+    return "ok"
+
+
 def vmm_producer(n: int) -> bytes:
     """Keep ``n`` float32 of virtual memory here; the handle's bytes."""
     import cupy_ipc
