@@ -292,7 +292,9 @@ def test_a_held_claim_keeps_the_slot_and_a_free_slot_refuses_claims(token, consu
         assert consumer.held_by_other(ALIVE) and producer.held_by_other(in_use(4))
         assert not producer.try_free(4)  # held: marked, not freed
         assert producer.read(4) == (77, 1, REVOKED)
-        assert not Segment.attach(token, pid=os.getpid()).claim(4, 77)  # a late consumer is refused
+        late = Segment.attach(token, pid=os.getpid())
+        assert not late.claim(4, 77)  # a late consumer is refused
+        late.close()
         consumer.unlock(in_use(4))
         assert producer.try_free(4)
         assert producer.read(4) == (0, 0, FREE)
