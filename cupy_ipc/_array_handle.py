@@ -293,7 +293,7 @@ def get_ipc_handle(
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
         return IpcArrayHandle._make(template, static or _first_wire(arr, array is arr, template, template))
     device = arr.data.device_id  # where the producer's stream and its event live
-    with _NO_SWITCH if _cuda.rt().getDevice() == device else _cuda.using_device(device):
+    with _cuda.using_device(device):
         export_id, slot, event = _keepalive.pin(
             array if keepalive else None, template.allocation_size, device, consumers, lease,
             _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
@@ -580,10 +580,7 @@ class IpcArrayHandle:
         check_same_host(f.producer)
         home = _cuda.ordinal_of_uuid(f.device.uuid)
         current = _cuda.call("reading the current device", _cuda.rt().getDevice)
-        if device is not None:
-            target = _cuda.checked_ordinal(device)
-        else:
-            target = home if current == home else _default_device(home, current)
+        target = _default_device(home, current) if device is None else _cuda.checked_ordinal(device)
         if f.kind == Kind.EMPTY:
             with cupy.cuda.Device(target):
                 arr = cupy.empty(f.shape, f.dtype)

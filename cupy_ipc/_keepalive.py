@@ -79,7 +79,7 @@ _exports_to_sweep = 0  # exports left before the next one sweeps, once there are
 
 
 def _segment_here() -> _segment.Segment:
-    return _segment._own or _segment.own_segment(this_process().token)
+    return _segment.own_segment(this_process().token)
 
 
 def _take_event(device: int) -> IpcEvent:

@@ -202,7 +202,7 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
     if c.count == 0:
         del _claims[key]
         if c.seg.fd >= 0:
-            c.seg.lock(_segment.in_use(c.slot), _segment.UNLOCK)
+            c.seg.unlock(_segment.in_use(c.slot))
 
 
 # --- mappings ----------------------------------------------------------------
@@ -282,8 +282,7 @@ def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> boo
     if _idle_limit and (held or not m.hold_claim) and _released_before(key):
         m.held = claim_key if held else None
         _park(key, m)
-        if len(_idle) > _idle_limit or m.descriptors:
-            _trim_idle()
+        _trim_idle()
         return held
     # Other imports are unmapped here, before the claim goes: the producer may
     # free a pool allocation only once every importer has (CUDA's rule).

@@ -46,9 +46,8 @@ _INITIAL_SLOTS = 1024
 _LOCK_BASE = 1 << 40  # lock bytes live far past the data; locks need no backing bytes
 ALIVE = _LOCK_BASE
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
-READ, WRITE, UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
+READ, WRITE, _UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 _OFD = hasattr(fcntl, "F_OFD_SETLK")
-_ALIVE_QUERY = _FLOCK.pack(WRITE, os.SEEK_SET, ALIVE, 1, 0)
 
 
 def _dir() -> str:
@@ -159,16 +158,15 @@ class Segment:
         return True
 
     def unlock(self, offset: int) -> None:
-        self.lock(offset, UNLOCK)
+        self.lock(offset, _UNLOCK)
 
     def held_by_other(self, offset: int) -> bool:
         """Whether another open file holds a lock that conflicts with a write lock here."""
         got = fcntl.fcntl(self.fd, fcntl.F_OFD_GETLK, _FLOCK.pack(WRITE, os.SEEK_SET, offset, 1, 0))
-        return _FLOCK.unpack(got)[0] != UNLOCK
+        return _FLOCK.unpack(got)[0] != _UNLOCK
 
     def producer_alive(self) -> bool:
-        # Every open asks this: the query is packed once.
-        return _FLOCK.unpack(fcntl.fcntl(self.fd, fcntl.F_OFD_GETLK, _ALIVE_QUERY))[0] != UNLOCK
+        return self.held_by_other(ALIVE)
 
     # --- records -----------------------------------------------------------
     def read(self, slot: int) -> tuple[int, int, int]:
@@ -178,8 +176,8 @@ class Segment:
         return _RECORD.unpack_from(self.mm, at)  # type: ignore[arg-type]
 
     def opens(self, slot: int) -> int:
-        """The ``opens`` count of a slot this process wrote (the producer's sweep: no bounds to check)."""
-        return _U32.unpack_from(self.mm, _DATA_START + slot * _RECORD.size + 8)[0]  # type: ignore[arg-type]
+        """The ``opens`` count of a slot."""
+        return self.read(slot)[1]
 
     def write(self, slot: int, export_id: int, state: int, opens: int = 0) -> None:
         at = _DATA_START + slot * _RECORD.size
@@ -204,19 +202,16 @@ class Segment:
         when another consumer holds the slot) for one that admits several,
         whose count must be exact.
         """
-        at = _DATA_START + slot * _RECORD.size
-        if not self._reach(at):
-            return False
         held = in_use(slot)
-        if _RECORD.unpack_from(self.mm, at)[2] & ONE_CONSUMER:  # type: ignore[arg-type]
+        if self.read(slot)[2] & ONE_CONSUMER:
             self.lock(held, READ)
-            if not self._count(at, export_id):
+            if not self._count(slot, export_id):
                 self.unlock(held)
                 return False
             return True
         if self.lock(held, WRITE, wait=False):
             # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
-            if not self._count(at, export_id):
+            if not self._count(slot, export_id):
                 self.unlock(held)
                 return False
             self.lock(held, READ)
@@ -224,18 +219,18 @@ class Segment:
         self.lock(held, READ)
         self.lock(mutex(slot), WRITE)
         try:
-            ok = self._count(at, export_id)
+            ok = self._count(slot, export_id)
         finally:
             self.unlock(mutex(slot))
         if not ok:
             self.unlock(held)
         return ok
 
-    def _count(self, at: int, export_id: int) -> bool:
-        seen, opens, state = _RECORD.unpack_from(self.mm, at)  # type: ignore[arg-type]
+    def _count(self, slot: int, export_id: int) -> bool:
+        seen, opens, state = self.read(slot)
         if seen != export_id or state & STATE != PINNED:
             return False
-        _U32.pack_into(self.mm, at + 8, opens + 1)  # type: ignore[arg-type]
+        self.write_opens(slot, opens + 1)
         return True
 
     def try_free(self, slot: int) -> bool:
@@ -243,12 +238,10 @@ class Segment:
 
         One lock call. Once marked, a slot that is still held stays marked until a later call frees it.
         """
-        at = _DATA_START + slot * _RECORD.size
-        mm = self.mm
-        _U32.pack_into(mm, at + 12, REVOKED)  # type: ignore[arg-type]
+        self.write_state(slot, REVOKED)
         if self.held_by_other(in_use(slot)):
             return False
-        _RECORD.pack_into(mm, at, 0, 0, FREE)  # type: ignore[arg-type]
+        self.write(slot, 0, FREE)
         return True
 
 
