@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
+import warnings
 from typing import Any
 
 from . import _cuda
@@ -316,15 +318,20 @@ class _Owner:
     def __init__(self, ptr: int, sizes: list[int], device: int) -> None:
         self.ptr, self.sizes, self.device = ptr, sizes, device
 
-    def __del__(self) -> None:
+    def __del__(self, _finalizing: Any = sys.is_finalizing) -> None:
+        # Bound as a default: at interpreter exit module globals may be gone,
+        # and the driver frees everything with the process then anyway.
+        if _finalizing():
+            return
         try:
             # Unlike cudaFree, unmapping does not wait for the GPU: work still
             # queued on the memory would fault. Wait as cudaFree would.
             with _cuda.using_device(self.device):
                 _cuda.rt().deviceSynchronize()
             unmap(self.ptr, self.sizes)
-        except Exception:  # noqa: BLE001 - a destructor; the driver frees everything at exit
-            pass
+        except Exception as e:  # destructor path: warn, never raise
+            warnings.warn(f"cupy_ipc could not free the virtual memory at 0x{self.ptr:x}: {e}", RuntimeWarning,
+                          stacklevel=2)
 
 
 def allocation_prop(device: int, shareable: bool = True) -> Any:

@@ -24,7 +24,7 @@ if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.lo
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # Jupyter and matplotlib, for a machine without an index: wheels brought in .whl/.
-# Only the suite (plots) and the notebooks see them.
+# The tests, the suite (plots) and the notebooks see them; the demo and doctor do not.
 SITE=${PYTHONPATH:-}
 if [ -d .whl ]; then
     $PY -m pip install -q --no-index --no-deps --target /tmp/cupy_ipc-site .whl/*.whl >"$OUT/whl.log" 2>&1
@@ -50,7 +50,8 @@ if [ "$PART" = groups ]; then
     bench_rc=$?
 fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
-    timeout 380 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -rfEs --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    # With the brought wheels too: test_notebooks imports nbformat to be collected (and then deselected).
+    PYTHONPATH="$SITE" timeout 380 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -rfEs --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-tests.log"
     gpu_rc=$?
     PYTHONPATH="$SITE" timeout 120 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 \

@@ -14,6 +14,7 @@ import pytest
 
 from cupy_ipc import IpcError, ProducerExitedError
 from cupy_ipc._fdserver import fetch, serve
+
 from test_descriptors import _as_nobody, _memfd, _read, may_switch_user  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux descriptors")

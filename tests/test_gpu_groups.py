@@ -58,6 +58,7 @@ def test_waiting_on_another_gpus_event_orders_on_the_host(remote):
     import cupy
 
     import cupy_ipc
+
     from workers import spin, warm_up
 
     helper = remote()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import cupy_ipc.multiprocessing as mp
+
 import mp_workers
 
 pytestmark = pytest.mark.gpu
@@ -161,6 +162,7 @@ def test_received_array_shared_by_descriptor_passed_on_to_a_third_process(ctx, k
     import cupy
 
     import cupy_ipc
+
     from workers import vmm_array
 
     if kind == "pool":
@@ -301,6 +303,7 @@ def test_events_travel_and_come_back_as_the_same_objects(ctx):
     import cupy
 
     import cupy_ipc
+
     from workers import spin, warm_up
 
     warm_up()

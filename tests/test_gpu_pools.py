@@ -66,6 +66,7 @@ def test_pool_arrays_through_cupy_ipc_multiprocessing():
     import cupy
 
     from cupy_ipc import _fdserver
+
     from workers import queue_worker
 
     with queue_worker() as (q, out):

@@ -6,6 +6,7 @@ import importlib.util
 import os
 import socket
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ EXPECTED = float(np.arange(N, dtype=np.float64).sum())
 
 def test_vmm_array_round_trips_as_bytes_and_over_a_unix_socket(remote):
     import cupy_ipc
+
     from workers import vmm_array
 
     a = vmm_array(N)
@@ -40,6 +42,7 @@ def test_vmm_array_round_trips_as_bytes_and_over_a_unix_socket(remote):
 def test_an_array_over_several_pieces_maps_whole(remote):
     # Four allocations mapped one after another, as PyTorch's expandable segments map theirs.
     import cupy_ipc
+
     from workers import vmm_array
 
     n = 2 * N  # 8 MiB in four pieces of 2 MiB, the H200's granularity
@@ -63,8 +66,9 @@ def test_an_array_over_several_pieces_maps_whole(remote):
 
 def test_vmm_arrays_through_cupy_ipc_multiprocessing():
     import cupy_ipc
-    import workers
     from cupy_ipc import _fdserver
+
+    import workers
 
     with workers.queue_worker() as (q, out):
         served = _fdserver.served()
@@ -104,6 +108,7 @@ def test_consumer_keeps_reading_vmm_memory_after_the_producer_is_killed(remote):
 
 def test_vmm_without_a_shareable_handle_type_is_refused_with_advice():
     import cupy_ipc
+
     from workers import vmm_array
 
     with pytest.raises(cupy_ipc.IpcError, match="without a shareable handle type"):
@@ -112,6 +117,7 @@ def test_vmm_without_a_shareable_handle_type_is_refused_with_advice():
 
 def test_the_producer_closes_descriptors_of_freed_allocations(remote):
     import cupy_ipc
+
     from workers import vmm_array
 
     consumer = remote()
@@ -137,6 +143,7 @@ def test_descriptors_of_freed_allocations_stay_bounded_between_collects(remote):
     # Exports sweep only once the descriptors kept have doubled (64 at least): never more are open.
     import cupy_ipc
     from cupy_ipc import _vmm
+
     from workers import vmm_array
 
     consumer = remote()
@@ -165,6 +172,7 @@ def test_a_new_allocation_mapped_where_an_old_one_was_shares_its_own_memory(remo
     import cupy
 
     import cupy_ipc
+
     from workers import vmm_array
 
     a = vmm_array(N)
@@ -211,6 +219,7 @@ def test_a_vmm_array_sent_again_opens_from_its_idle_mapping_but_not_once_a_piece
     import cupy
 
     import cupy_ipc
+
     from workers import vmm_array
 
     a = vmm_array(2 * N, pieces=2)  # two 4 MiB pieces
@@ -241,6 +250,7 @@ def test_idle_vmm_mappings_are_evicted_oldest_first_once_their_descriptors_pass_
     import cupy
 
     import cupy_ipc
+
     from workers import vmm_array
 
     arrays = [vmm_array(2 * N, pieces=2) for _ in range(3)]  # two pieces each
@@ -284,6 +294,7 @@ def test_the_size_check_of_an_import_counts_only_its_own_ranges():
     """Pieces mapped one after another read as adjacent ranges: the check of a single-range import (a legacy
     handle, a pool's allocation) must stop after one, or a forged size would be vouched for by the neighbour."""
     from cupy_ipc import _mapping
+
     from workers import vmm_array
 
     a = vmm_array(2 * N, pieces=2)  # two 4 MiB pieces, adjacent
@@ -298,3 +309,26 @@ def test_freeing_virtual_memory_waits_for_work_queued_on_it(remote):
     does), where an immediate unmap makes that kernel fault. In a process of its own: a fault ends its
     context."""
     assert remote().call("free_vmm_while_busy", N) == "ok"
+
+
+def test_virtual_memory_that_cannot_be_freed_warns_instead_of_raising():
+    """The free runs in a destructor, where an exception would be lost: a failure warns. Here a second owner
+    frees an address range the first one freed already."""
+    import cupy
+
+    from cupy_ipc import _cuda, _vmm
+
+    driver = _vmm._driver()
+    cupy.cuda.Device(0).use()
+    size = 2 << 20
+    err, ptr = driver.cuMemAddressReserve(size, 0, 0, 0)
+    _cuda.check("reserving an address range", err)
+    first = _vmm._Owner(int(ptr), [size], 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del first  # frees the range
+    assert not caught
+    again = _vmm._Owner(int(ptr), [size], 0)
+    with pytest.warns(RuntimeWarning, match="could not free the virtual memory at 0x.*CUDA_ERROR_INVALID_VALUE"):
+        del again
+    assert float(cupy.arange(3).sum()) == 3.0  # the GPU still works

@@ -80,9 +80,9 @@ def test_torch_engine_gathers_short_missing_and_long_handles_and_any_failure(tmp
     pytest.importorskip("torch.distributed")
     import multiprocessing
 
-    from workers import gloo_engine_rank
-
     from cupy_ipc._groups import _ROW
+
+    from workers import gloo_engine_rank
 
     ctx = multiprocessing.get_context("spawn")
     datas = [b"\x01handle" * 10, None, bytes(range(256)) * (2 * _ROW // 256), b""]
