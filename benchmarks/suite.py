@@ -5,8 +5,8 @@ Runs, on a GPU machine and in one go:
 1. message round trips (``roundtrip.py``) for each size, fresh and re-sent:
    cupy_ipc, ``cupy_ipc.multiprocessing``, raw CuPy runtime calls (the floor),
    ``torch.multiprocessing`` (when PyTorch is installed) and host staging;
-   then the same messages for one size, every method in turn in short runs
-   through one consumer, and the median of the paired runs' ratios
+   then the same messages for each size again, every method in turn in short
+   runs through one consumer, and the median of the paired runs' ratios
    (``paired.py``), which moves far less between runs;
 2. event ping-pong between two processes (``events.py``);
 3. read bandwidth of a consumer on a mapped array against a local copy, and
@@ -56,7 +56,8 @@ def markdown(doc: dict[str, Any]) -> str:
         out += ["### Message round trips", "", roundtrip.markdown({"results": doc["roundtrip"]})]
     if "paired" in doc:
         out += ["### Message round trips in pairs (every method in turn, in runs of "
-                f"{paired.RUN}; ratios: medians over the rounds)", "", paired.markdown(doc["paired"])]
+                f"{paired.RUN}; ratios: medians over the rounds)", ""]
+        out += [paired.markdown(run) for run in doc["paired"]]
     if "events" in doc:
         e = doc["events"]
         out += ["### Event ping-pong between two processes", "",
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--paired-methods", default=",".join(paired.METHODS))
-    parser.add_argument("--paired-size", default="1MiB")
+    parser.add_argument("--paired-sizes", default="4KiB,1MiB,64MiB,1GiB")
     parser.add_argument("--paired-iters", type=int, default=300, help="messages of each method and kind")
     parser.add_argument("--pingpong-iters", type=int, default=2000)
     parser.add_argument("--bandwidth-bytes", default="1GiB")
@@ -157,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = [
         ("roundtrip", lambda: roundtrip.run([roundtrip.parse_size(s) for s in args.sizes.split(",")],
                                             args.methods.split(","), args.iters, args.rounds, args.warmup)),
-        ("paired", lambda: paired.run(args.paired_methods.split(","), roundtrip.parse_size(args.paired_size),
-                                      args.paired_iters, paired.WARMUP)),
+        ("paired", lambda: [paired.run(args.paired_methods.split(","), roundtrip.parse_size(size), args.paired_iters,
+                                       paired.WARMUP) for size in args.paired_sizes.split(",")]),
         ("events", lambda: events.run(args.pingpong_iters, max(1, args.pingpong_iters // 10))),
         ("bandwidth", lambda: bandwidth.run(roundtrip.parse_size(args.bandwidth_bytes))),
     ]

@@ -73,8 +73,9 @@ def test_markdown_reports_each_part():
     }
     doc["peer_matrix"] = [[{"gbps": 4000.0, "values_ok": True}, {"gbps": 390.0, "values_ok": True}],
                           [{"error": "no peer"}, {"gbps": 4100.0, "values_ok": True}]]
-    doc["paired"] = {"bytes": 1 << 20, "iters": 3, "methods": ["raw", "cupy_ipc"], "cases": {
+    doc["paired"] = [{"bytes": n, "iters": 3, "methods": ["raw", "cupy_ipc"], "cases": {
         "re-sent": {"median_us": {"raw": 80.0, "cupy_ipc": 120.0}, "paired": {"cupy_ipc ÷ raw": 1.46}}}}
+        for n in (1 << 20, 1 << 30)]
     doc["all_gather"] = [{"ranks": 2, "bytes": 1 << 20, "median_us": {"cupy_ipc": 1300.0, "torch": 1360.0,
                                                                        "barrier": 90.0}}]
     text = suite.markdown(doc)
@@ -82,6 +83,7 @@ def test_markdown_reports_each_part():
     assert "| GPU 0 | 4000 GB/s | 390 GB/s |" in text and "| GPU 1 | no peer access | 4100 GB/s |" in text
     assert "| 2 | 1300 | 1360 | 1.05 | 90 |" in text
     assert "| 1 MiB, 3 messages each | raw µs | cupy_ipc µs | cupy_ipc ÷ raw |" in text
+    assert "| 1 GiB, 3 messages each | raw µs | cupy_ipc µs | cupy_ipc ÷ raw |" in text
     assert "| re-sent | 80.0 | 120.0 | 1.46 |" in text
     assert "| cupy_ipc.IpcEvent | 70.0 |" in text and "99.0% (target ≥ 98%)" in text and "**x failed:** boom" in text
 
@@ -90,7 +92,8 @@ def test_markdown_reports_each_part():
 def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     r = subprocess.run(
         [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
-         "--methods", "bare,raw,cupy_ipc,cupy_ipc-unsafe,mp,pool,vmm", "--paired-iters", "4", "--pingpong-iters", "20",
+         "--methods", "bare,raw,cupy_ipc,cupy_ipc-unsafe,mp,pool,vmm", "--paired-iters", "4", "--paired-sizes",
+         "4KiB,1MiB", "--pingpong-iters", "20",
          "--bandwidth-bytes", "16MiB",
          "--all-gather-iters", "5", "--peer-bytes", "4MiB", "--out", str(tmp_path), "--watchdog", "150"],
         capture_output=True, text=True, timeout=200,
@@ -102,11 +105,13 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
         ("bare", False), ("raw", False), ("raw", True), ("cupy_ipc", False), ("cupy_ipc", True),
         ("cupy_ipc-unsafe", False), ("cupy_ipc-unsafe", True), ("mp", False),
         ("mp", True), ("pool", False), ("pool", True), ("vmm", False), ("vmm", True)}
-    pairs = doc["paired"]
-    assert pairs["bytes"] == 1 << 20 and set(pairs["cases"]) == {"fresh", "re-sent"}
-    for case in pairs["cases"].values():
-        assert set(case["median_us"]) == set(pairs["methods"]) >= {"raw", "cupy_ipc", "mp"}
-        assert {"cupy_ipc ÷ raw", "mp ÷ raw"} <= set(case["paired"]) and all(r > 0 for r in case["paired"].values())
+    assert [pairs["bytes"] for pairs in doc["paired"]] == [4096, 1 << 20]
+    for pairs in doc["paired"]:
+        assert set(pairs["cases"]) == {"fresh", "re-sent"}
+        for case in pairs["cases"].values():
+            assert set(case["median_us"]) == set(pairs["methods"]) >= {"raw", "cupy_ipc", "mp"}
+            assert {"cupy_ipc ÷ raw", "mp ÷ raw"} <= set(case["paired"])
+            assert all(r > 0 for r in case["paired"].values())
     assert doc["events"]["event"]["median_us"] > 0 and doc["events"]["raw"]["median_us"] > 0
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
     if doc["environment"]["gpus"] > 1:
