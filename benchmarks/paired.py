@@ -99,8 +99,6 @@ def run(methods: list[str], nbytes: int, iters: int, warmup: int) -> dict[str, A
     methods = [m for m in methods if roundtrip.available(m)]
     if not methods:
         raise ValueError("none of the methods named can run here")
-    import cupy
-
     roundtrip.load_reductions(methods)
     rounds = -(-iters // RUN)
     ctx = multiprocessing.get_context("spawn")
@@ -120,9 +118,7 @@ def run(methods: list[str], nbytes: int, iters: int, warmup: int) -> dict[str, A
                 for method in order.sample(methods, len(methods)):
                     times = []
                     for i in range(SETTLE + RUN if counted else 1):
-                        arr = kept[method] if resent else roundtrip.new_buffer(method, nbytes, 1)
-                        if not resent and roundtrip.VARIANTS.get(method, {}).get("sync") is False:
-                            cupy.cuda.get_current_stream().synchronize()  # untimed: what the user then owes
+                        arr = kept[method] if resent else roundtrip.fresh_buffer(method, nbytes)
                         t = time.perf_counter()
                         inbox.put((method, roundtrip._message(method, arr, resent, caches[method])))
                         value = roundtrip.receive(outbox, proc, 600, "the consumer")

@@ -219,6 +219,17 @@ def new_buffer(method: str, nbytes: int, value: int) -> Any:
     return cupy.full(nbytes // 4, value, cupy.float32)
 
 
+def fresh_buffer(method: str, nbytes: int) -> Any:
+    """A new buffer of ones for one message; synchronized, untimed, for a variant without ordering (what its
+    user then owes)."""
+    arr = new_buffer(method, nbytes, 1)
+    if VARIANTS.get(method, {}).get("sync") is False:
+        import cupy
+
+        cupy.cuda.get_current_stream().synchronize()
+    return arr
+
+
 _pool: list[Any] = []
 
 
@@ -302,8 +313,6 @@ def _context(method: str) -> Any:
 
 def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -> None:
     """Time ``(nbytes, resent, iters, warmup)`` cases with one consumer; ``report(case, seconds)``."""
-    import cupy
-
     ctx = _context(method)
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=consumer, args=(method, inbox, outbox), daemon=True)
@@ -316,9 +325,7 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
             arr = new_buffer(method, nbytes, 1) if resent else None
             for i in range(warmup + iters):
                 if not resent:
-                    arr = new_buffer(method, nbytes, 1)
-                    if VARIANTS.get(method, {}).get("sync") is False:
-                        cupy.cuda.get_current_stream().synchronize()  # untimed: what the user then owes
+                    arr = fresh_buffer(method, nbytes)
                 if profiler is not None:
                     profiler.enable()
                 t = time.perf_counter()

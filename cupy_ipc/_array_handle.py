@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import warnings
@@ -35,7 +34,6 @@ from ._wire import (
 __all__ = ["IpcArrayHandle", "OpenInfo", "get_ipc_handle", "open_info"]
 
 _NO_HANDLE = bytes(64)
-_NO_SWITCH = contextlib.nullcontext()
 
 # Memory handles by the driver's buffer id, which is never reused in a process,
 # so a new array in an allocation exported before skips cudaIpcGetMemHandle;
@@ -604,10 +602,10 @@ class IpcArrayHandle:
             with _cuda.using_device(target):
                 stream_obj = cupy.cuda.get_current_stream()
         if not staged:
-            return self._mapped(target, home, stream_obj, target, current)
+            return self._mapped(target, home, stream_obj, target)
         # Map on the memory's GPU, copy to the target on the consumer's
         # stream, and let the mapping go once that copy is done.
-        src = self._mapped(home, home, stream_obj, target, current)
+        src = self._mapped(home, home, stream_obj, target)
         lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
         runtime = _cuda.rt()
         with _cuda.using_device(target):
@@ -619,9 +617,8 @@ class IpcArrayHandle:
         _opened_unmapped.set(arr, OpenInfo(target, home, copied=True))
         return arr
 
-    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int, current: int) -> Any:
-        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it); ``current``: the
-        current GPU."""
+    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int) -> Any:
+        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it)."""
         import cupy
 
         f = self._f
@@ -654,8 +651,7 @@ class IpcArrayHandle:
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
                         lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]), len(pieces))
-        # A legacy import binds its device itself; the importers of other kinds leave theirs current.
-        with _cuda.using_device(map_device) if importer is not None or map_device != current else _NO_SWITCH:
+        with _cuda.using_device(map_device):
             ptr, lease = _mapping.acquire(
                 key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
                 producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,
