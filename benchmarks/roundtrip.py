@@ -50,6 +50,7 @@ import multiprocessing
 import os
 import platform
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Collection
@@ -201,22 +202,41 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
     return cupy.asnumpy(arr)
 
 
+def fill(ptr: int, nbytes: int, value: float, stream: int) -> None:
+    """Queue the filling of ``nbytes`` at ``ptr`` with float32 ``value`` on ``stream``, by the driver's memset.
+
+    Every method's buffers are filled by this one call, because a fresh message waits for its buffer's fill:
+    on an H200, CuPy's fill kernel took 1.27 ms for 1 GiB where PyTorch's and this memset took 0.24 ms.
+    """
+    from cupy_ipc._cuda import _driver, check
+
+    (pattern,) = struct.unpack("<I", struct.pack("<f", value))
+    (err,) = _driver().cuMemsetD32Async(ptr, pattern, nbytes // 4, stream)
+    check("filling a buffer", err)
+
+
 def new_buffer(method: str, nbytes: int, value: int) -> Any:
+    """A float32 buffer of ``nbytes`` filled with ``value`` (queued, not waited for), of ``method``'s kind."""
     import cupy
 
     if method == "torch":
         import torch
 
-        return torch.full((nbytes // 4,), float(value), dtype=torch.float32, device="cuda")
+        t = torch.empty((nbytes // 4,), dtype=torch.float32, device="cuda")
+        fill(t.data_ptr(), nbytes, value, torch.cuda.current_stream().cuda_stream)
+        return t
     if method == "pool":
         with cupy.cuda.using_allocator(_shareable_pool().malloc):
-            return cupy.full(nbytes // 4, value, cupy.float32)
-    if method == "vmm":
+            arr = cupy.empty(nbytes // 4, cupy.float32)
+    elif method == "vmm":
         from cupy_ipc import _vmm
 
         with cupy.cuda.using_allocator(_vmm.allocate):
-            return cupy.full(nbytes // 4, value, cupy.float32)
-    return cupy.full(nbytes // 4, value, cupy.float32)
+            arr = cupy.empty(nbytes // 4, cupy.float32)
+    else:
+        arr = cupy.empty(nbytes // 4, cupy.float32)
+    fill(arr.data.ptr, nbytes, value, cupy.cuda.get_current_stream().ptr)
+    return arr
 
 
 def fresh_buffer(method: str, nbytes: int) -> Any:

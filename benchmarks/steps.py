@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from roundtrip import close_raw, free_buffers, new_buffer, open_raw, raw_handle  # noqa: E402
+from roundtrip import close_raw, free_buffers, fresh_buffer, new_buffer, open_raw, raw_handle  # noqa: E402
 
 PRODUCER = ("_array_handle._template", "_array_handle._memory_handle", "_cuda.legacy_info", "_cuda.pointer_info",
             "_array_handle.validate_layout", "_array_handle.pack_array", "_array_handle._ById.set",
@@ -195,7 +195,7 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
                 cache: dict[str, Any] = {}
                 for i in range(iters + 20):
                     if not resent:
-                        arr = new_buffer(method, nbytes, 1)
+                        arr = fresh_buffer(method, nbytes)  # synchronized for the variant without ordering
                     spent.clear()
                     t0 = time.perf_counter_ns()
                     if options is None:
