@@ -11,7 +11,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from . import _cuda, _fdserver, _fork, _keepalive, _mapping, _pools, _segment, _vmm
-from ._errors import IpcError
+from ._errors import HandleError, IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
 from ._wire import (
@@ -88,10 +88,15 @@ def _default_device(home: int, current: int) -> int:
     return current
 
 
-def _check_still_allocated(base: int, buffer_id: int) -> None:
+def _check_still_allocated(base: int, buffer_id: int, f: ArrayFields) -> None:
+    """That our allocation at ``base`` is still the one exported, and holds all that handle ``f`` claims."""
     info = _cuda.pointer_info(base)
     if info.buffer_id != buffer_id or info.base != base:
         raise IpcError("this process exported that memory and has since freed it")
+    # A cudaMalloc or pool allocation is one range; virtual memory (several) is left to the mapping's check.
+    if f.kind != Kind.VMM and info.size < f.allocation_size:
+        raise HandleError(f"the handle claims a {f.allocation_size}-byte allocation where this process has "
+                          f"{info.size} bytes: the handle is forged or corrupt")
 
 
 def _received_lease(owner: Any) -> "_mapping.Lease | None":
@@ -110,9 +115,10 @@ def _received_lease(owner: Any) -> "_mapping.Lease | None":
 
 
 # The validated fields of each live cupy.ndarray exported, and the wire form of
-# its first export: an array's pointer, layout and allocation cannot change
-# while it lives, so a re-sent array costs no driver query, no validation and
-# no packing (only its export part is spliced in).
+# its first export: an array's pointer and allocation cannot change while it
+# lives (its layout can, by assigning its shape, which an export checks), so a
+# re-sent array costs no driver query, no validation and no packing (only its
+# export part is spliced in).
 class _ById:
     """Values kept for live objects that cannot be hashed (arrays), dropped when the object is collected."""
 
@@ -253,9 +259,12 @@ def get_ipc_handle(
             the array alive yourself until every consumer is done.
         sync: Record the ordering event. Turn off only if you synchronize
             before sending.
-        consumers: How many processes will open this handle.
-        lease: Seconds after which the export is revoked if not all consumers
-            opened it; ``None`` keeps it until :meth:`IpcArrayHandle.release`.
+        consumers: How many processes will open this handle. (A process
+            that opens it again after its arrays from it were freed counts
+            again.)
+        lease: Seconds after which the export is revoked (new opens are
+            refused) if not all consumers opened it; ``None`` keeps it until
+            :meth:`IpcArrayHandle.release`.
 
     Returns:
         An immutable, picklable :class:`IpcArrayHandle`.
@@ -285,15 +294,20 @@ def get_ipc_handle(
                              DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE,
                              arr.shape, arr.strides)
         return IpcArrayHandle._make(fields)
-    # A live array's wire form is cached after its first export: later ones change only the export part.
-    template, static = _by_array.get(arr) or (_template(arr), None)
+    # A live array's wire form is cached after its first export: later ones change only the export part,
+    # unless the array was reshaped in place since (CuPy lets `a.shape = ...` change a live array's layout).
+    hit = _by_array.get(arr)
+    if hit is not None and (hit[0].shape != arr.shape or hit[0].strides != arr.strides):
+        hit = None
+    template, static = hit or (_template(arr), None)
     if not (keepalive or sync):
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
         return IpcArrayHandle._make(template, static or _first_wire(arr, array is arr, template, template))
     device = arr.data.device_id  # where the producer's stream and its event live
     with _cuda.using_device(device):
         export_id, slot, event = _keepalive.pin(
-            array if keepalive else None, template.allocation_size, device, consumers, lease,
+            array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
+            device, consumers, lease,
             _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
     flags = FLAG_KEEPALIVE if keepalive else 0
     if event is not None:
@@ -626,13 +640,17 @@ class IpcArrayHandle:
         from_us = producer.token == this_process().token
         keep = own_ptr = None
         if from_us:
-            keep = _keepalive.lookup(f.export_id) if f.export_id else None
+            pin = _keepalive.lookup(f.export_id) if f.export_id else None
             own_ptr, buffer_id = f.base_ptr, f.buffer_id
+            if pin is not None and pin[1] != (own_ptr, f.allocation_size, buffer_id):
+                raise HandleError("the handle names other memory than the export it carries the number of: it "
+                                  "is forged or corrupt")
+            keep = pin[0] if pin is not None else None
             if keep is None:
-                _check_still_allocated(own_ptr, buffer_id)
+                _check_still_allocated(own_ptr, buffer_id, f)
         elif f.memory_handle in _exported:  # our memory, sent back to us by another process
             own_ptr, buffer_id = _exported[f.memory_handle]
-            _check_still_allocated(own_ptr, buffer_id)
+            _check_still_allocated(own_ptr, buffer_id, f)
         if own_ptr is not None and map_device != home:
             _cuda.enable_peer_access(map_device, home)  # CUDA IPC would have done it for an import
         # Raises ProducerExitedError if the producer is gone; in our own

@@ -54,15 +54,19 @@ _SCOPES = {
 
 
 def refused_message(pid: int) -> str:
-    """Why ``pidfd_getfd`` on process ``pid`` was refused, and both ways around it."""
-    return (
+    """Why ``pidfd_getfd`` on process ``pid`` was refused, and the ways around it that can work on this host."""
+    scope = ptrace_scope()
+    text = (
         f"the kernel refused to hand over a file descriptor of producer process {pid} (pidfd_getfd: EPERM, "
         "Operation not permitted). Taking a descriptor out of another process needs permission to ptrace it; "
-        f"{_SCOPES.get(ptrace_scope(), _SCOPES[None])}. Either send the handle over a Unix socket "
+        f"{_SCOPES.get(scope, _SCOPES[None])}. Send the handle over a Unix socket "
         "(cupy_ipc.send_handle / recv_handle) or through cupy_ipc.multiprocessing, which pass the descriptor "
-        "itself and need no ptrace permission; or call cupy_ipc.allow_ptrace_from_any() in the producer, which "
-        "lets every process of the same user ptrace it (a security trade-off)"
+        "itself and need no ptrace permission"
     )
+    if scope == 1:  # the only rule the producer can relax itself
+        text += ("; or call cupy_ipc.allow_ptrace_from_any() in the producer, which lets every process of the "
+                 "same user ptrace it (a security trade-off)")
+    return text
 
 
 def _pidfd_getfd(pid: int, fd: int) -> tuple[int, int]:
@@ -163,23 +167,33 @@ def recv_handle(sock: socket.socket) -> Any:
     from ._events import IpcEventHandle
     from ._wire import ARRAY_MAGIC
 
-    head, fds, _, _ = socket.recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)
+    head, fds, flags, _ = socket.recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)
+    truncated = flags & socket.MSG_CTRUNC
     try:
         if len(head) != _HEAD.size:
             raise IpcError("the peer closed the socket before sending a handle")
         n, nfds = _HEAD.unpack(head)
         data = b""
         while len(data) < n:
-            chunk, more, _, _ = socket.recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
+            chunk, more, flags, _ = socket.recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
             fds += more
+            truncated |= flags & socket.MSG_CTRUNC
             if not chunk:
                 raise IpcError("the peer closed the socket in the middle of a handle")
             data += chunk
-        while len(fds) < nfds:
-            marker, more, _, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+        # Exactly the marker messages the sender wrote (one per 253 descriptors past the first 253), so
+        # that a short count never reads into the next handle.
+        for _ in range(max(0, -(-nfds // _FDS_PER_MESSAGE) - 1)):
+            marker, more, flags, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+            fds += more
+            truncated |= flags & socket.MSG_CTRUNC
             if not marker:
                 raise IpcError("the peer closed the socket before sending all descriptors")
-            fds += more
+        if truncated:
+            raise IpcError("descriptors sent with this handle were dropped on receipt: this process is at its "
+                           "open-file limit (raise it with ulimit -n, or resource.setrlimit(RLIMIT_NOFILE))")
+        if len(fds) != nfds:
+            raise IpcError(f"the handle came with {len(fds)} descriptors where its sender wrote {nfds}")
         if data[:4] == ARRAY_MAGIC:
             h = IpcArrayHandle.from_bytes(data)
             h._adopt_descriptors(fds)

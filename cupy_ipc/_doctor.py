@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from . import _cuda
+from . import _cuda, _fdserver
 from ._cuda import unavailable_reason
 from ._descriptors import ptrace_scope
 
@@ -150,22 +150,22 @@ def _self_test_consumer(conn: Any) -> None:
     """In a spawned process: open each array handle, check it, answer; open events and wait."""
     import cupy
 
-    from . import IpcArrayHandle, IpcEventHandle
+    from . import IpcEventHandle
 
     while True:
         msg = conn.recv()
         if msg is None:
             return
-        kind, device, data = msg
+        kind, device, data, server = msg
         try:
             with cupy.cuda.Device(device):  # the GPU the producer's test runs on
                 if kind == "array":
-                    with IpcArrayHandle.from_bytes(data) as a:
+                    with _received(data, server) as a:
                         first = float(a[0])
                     del a
                     conn.send(("ok", first))
                 elif kind == "write":  # open, write -1 at 0, finish, answer with the sum before writing
-                    with IpcArrayHandle.from_bytes(data) as a:
+                    with _received(data, server) as a:
                         total = float(a.sum())
                         a[0] = -1
                         cupy.cuda.get_current_stream().synchronize()
@@ -178,6 +178,25 @@ def _self_test_consumer(conn: Any) -> None:
                     conn.send(("ok", None))
         except Exception as e:  # noqa: BLE001 - reported by the doctor
             conn.send(("err", (type(e).__name__, str(e), getattr(e, "cuda_error", None))))
+
+
+def _received(data: bytes, server: bytes | None) -> Any:
+    from . import IpcArrayHandle
+
+    h = IpcArrayHandle.from_bytes(data)
+    if server is not None:
+        h._ask_producer(server)
+    return h
+
+
+def _sent(kind: str, device: int, handle: Any) -> tuple[str, int, bytes, bytes | None]:
+    """A self-test message: the handle's bytes and, for memory shared by descriptor, the producer's descriptor
+    server, as ``cupy_ipc.multiprocessing`` sends arrays (no ptrace permission needed: that one is reported
+    on its own, under "ptrace")."""
+    from .multiprocessing import _exported_fd
+
+    descriptors = getattr(handle, "_descriptors", lambda: [])()
+    return kind, device, handle.to_bytes(), _fdserver.serve(_exported_fd) if descriptors else None
 
 
 def _ask(conn: Any, proc: Any, msg: Any) -> Any:
@@ -256,19 +275,19 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
                 with using:
                     a = cupy.arange(_SELF_TEST_BYTES // 8, dtype=cupy.int64)  # integer sums: exact on both sides
                 expected = float(a.sum())
-                if _ask(conn, proc, ("write", d, cupy_ipc.get_ipc_handle(a).to_bytes())) != expected:
+                if _ask(conn, proc, _sent("write", d, cupy_ipc.get_ipc_handle(a))) != expected:
                     raise RuntimeError(f"GPU {d}: the consumer read other values than were written")
                 if float(a[0]) != -1:
                     raise RuntimeError(f"GPU {d}: the consumer's write did not reach the producer's memory")
                 ev = cupy_ipc.IpcEvent()
                 ev.record()
-                _ask(conn, proc, ("event", d, ev.get_ipc_handle().to_bytes()))
+                _ask(conn, proc, _sent("event", d, ev.get_ipc_handle()))
                 ev.close()
                 a[0] = 7
                 times = []
                 for _ in range(_SELF_TEST_TRIPS):
                     t = time.perf_counter()
-                    if _ask(conn, proc, ("array", d, cupy_ipc.get_ipc_handle(a).to_bytes())) != 7:
+                    if _ask(conn, proc, _sent("array", d, cupy_ipc.get_ipc_handle(a))) != 7:
                         raise RuntimeError(f"GPU {d}: the consumer read a wrong value")
                     times.append(time.perf_counter() - t)
                 result["round_trip_us"][str(d)] = round(statistics.median(times) * 1e6, 1)

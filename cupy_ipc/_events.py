@@ -164,6 +164,7 @@ class IpcEvent:
 
 def export_event(ptr: int, device: int, block: bool) -> "IpcEventHandle":
     """The handle of an interprocess event of this process, on GPU ``device``."""
+    _fork.check()
     runtime = _cuda.rt()
     raw = _cuda.call("exporting an event", runtime.ipcGetEventHandle, ptr)
     me = this_process()

@@ -30,6 +30,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 from ._errors import IpcError, ProducerExitedError
@@ -38,6 +39,10 @@ from ._identity import this_process
 __all__ = ["fetch", "serve", "served"]
 
 _COUNT = struct.Struct("<I")  # a request: the count, then that many descriptor numbers (i32)
+TIMEOUT_S = 30.0  # for a producer's answer
+_RETRY_S = 0.05  # before accepting again after a failed accept
+_TRUNCATED = ("descriptors sent to this process were dropped on receipt: it is at its open-file limit "
+              "(raise it with ulimit -n, or resource.setrlimit(RLIMIT_NOFILE))")
 _MAX = 253  # SCM_MAX_FD: descriptors per message
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -45,6 +50,7 @@ _lock = threading.Lock()
 _server: tuple[bytes, socket.socket] | None = None  # (name, listening socket)
 _allowed: Callable[[int], bool] = lambda fd: False  # noqa: E731 - replaced by serve()
 _connections: dict[bytes, tuple[threading.Lock, socket.socket]] = {}  # consumer: name -> connection
+_accepted: set[socket.socket] = set()  # producer: connections being served
 
 
 def _name(token: bytes) -> bytes:
@@ -75,18 +81,26 @@ def _accept(listener: socket.socket) -> None:
     while True:
         try:
             conn, _ = listener.accept()
-        except OSError:  # closed
-            return
+        except OSError as e:
+            if listener.fileno() < 0 or e.errno in (errno.EBADF, errno.EINVAL):  # closed
+                return
+            # At the open-file limit or short of memory: the server must outlive it, or every consumer
+            # after would wait on a socket nobody serves.
+            time.sleep(_RETRY_S)
+            continue
         try:
             pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-        except OSError:  # gone already: the server goes on
+            if uid not in (os.geteuid(), 0):  # the rule pidfd_getfd would apply, less ptrace_scope
+                conn.close()
+                continue
+            with _lock:
+                _accepted.add(conn)
+            threading.Thread(target=_answer, args=(conn,), name=f"cupy_ipc-fd-server-{pid}",
+                             daemon=True).start()
+        except (OSError, RuntimeError):  # gone already, or no thread to serve it: the consumer sees it closed
+            with _lock:
+                _accepted.discard(conn)
             conn.close()
-            continue
-        if uid not in (os.geteuid(), 0):  # the rule pidfd_getfd would apply, less ptrace_scope
-            conn.close()
-            continue
-        threading.Thread(target=_answer, args=(conn,), name=f"cupy_ipc-fd-server-{pid}",
-                         daemon=True).start()
 
 
 _served = [0]
@@ -115,23 +129,31 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
 def _answer(conn: socket.socket) -> None:
     """Serve one consumer's requests: a count, then that many descriptor numbers; the answer is the count of
     descriptors sent (0: refused) with the descriptors."""
-    with conn:
-        while True:
-            try:
-                head = _recv_exactly(conn, _COUNT.size)
-                if not head:
-                    return
-                (n,) = _COUNT.unpack(head)
-                if not 0 < n <= _MAX:
-                    return
-                numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
-                if all(_allowed(fd) for fd in numbers):
-                    socket.send_fds(conn, [_COUNT.pack(n)], numbers)
-                    _count(n)
-                else:
-                    conn.sendall(_COUNT.pack(0))
-            except (OSError, struct.error):  # the consumer went away, or sent garbage
+    try:
+        _serve_requests(conn)
+    finally:
+        with _lock:
+            _accepted.discard(conn)
+        conn.close()
+
+
+def _serve_requests(conn: socket.socket) -> None:
+    while True:
+        try:
+            head = _recv_exactly(conn, _COUNT.size)
+            if not head:
                 return
+            (n,) = _COUNT.unpack(head)
+            if not 0 < n <= _MAX:
+                return
+            numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
+            if all(_allowed(fd) for fd in numbers):
+                socket.send_fds(conn, [_COUNT.pack(n)], numbers)
+                _count(n)
+            else:
+                conn.sendall(_COUNT.pack(0))
+        except (OSError, struct.error):  # the consumer went away, or sent garbage
+            return
 
 
 def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
@@ -140,6 +162,7 @@ def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
     if hit is not None:
         return hit
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(TIMEOUT_S)  # a producer that is alive but does not answer must not hang us
     try:
         sock.connect(name)
     except OSError as e:
@@ -180,11 +203,23 @@ def fetch(name: bytes, pid: int, numbers: list[int]) -> list[int]:
         try:
             with lock:
                 sock.sendall(struct.pack(f"<I{len(numbers)}i", len(numbers), *numbers))
-                head, fds, _, _ = socket.recv_fds(sock, _COUNT.size, _MAX)
-        except OSError as e:
-            head, fds = b"", []
+                head, fds, flags, _ = socket.recv_fds(sock, _COUNT.size, _MAX)
+        except BaseException as e:
+            # Interrupted or failed between request and answer: an answer may still come, for the next
+            # request to take as its own. This connection is done.
+            _forget_connection(name, sock)
+            if isinstance(e, TimeoutError):
+                raise IpcError(f"producer process {pid} did not answer a request for descriptors within "
+                               f"{TIMEOUT_S:.0f} s") from None
+            if not isinstance(e, OSError):
+                raise
             if e.errno not in (errno.EPIPE, errno.ECONNRESET):
                 raise IpcError(f"asking producer process {pid} for descriptors failed: {e}") from e
+            head, fds, flags = b"", [], 0
+        if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors it could not install here
+            for fd in fds:
+                os.close(fd)
+            raise IpcError(_TRUNCATED)
         if len(head) == _COUNT.size:
             if _COUNT.unpack(head)[0] == len(numbers) == len(fds):
                 return fds
@@ -193,16 +228,20 @@ def fetch(name: bytes, pid: int, numbers: list[int]) -> list[int]:
             raise IpcError(f"producer process {pid} no longer shares this memory (it refused its descriptors)")
         for fd in fds:
             os.close(fd)
-        with _lock:  # broken: forget it
-            if _connections.get(name, (None, None))[1] is sock:
-                del _connections[name]
-        sock.close()
+        _forget_connection(name, sock)  # broken
         if attempt == 0 and _alive(pid):
             continue
         break
     if not _alive(pid):
         raise ProducerExitedError(f"producer process {pid} has exited", pid=pid)
     raise IpcError(f"producer process {pid} closed the connection instead of sending descriptors")
+
+
+def _forget_connection(name: bytes, sock: socket.socket) -> None:
+    with _lock:
+        if _connections.get(name, (None, None))[1] is sock:
+            del _connections[name]
+    sock.close()
 
 
 def _close_connections() -> None:
@@ -221,6 +260,9 @@ def forget() -> None:
     global _lock, _server
     _lock = threading.Lock()  # another thread may have held it at the fork
     _close_connections()
+    for conn in list(_accepted):  # or a consumer of the parent would wait on us after the parent died
+        conn.close()
+    _accepted.clear()
     if _server is not None:
         _server[1].close()
         _server = None

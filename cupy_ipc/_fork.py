@@ -28,10 +28,13 @@ def cuda_initialized() -> bool:
         >>> cuda_initialized() in (True, False)
         True
     """
-    if not any(m in sys.modules for m in ("cupy", "cuda.bindings.driver", "torch", "numba.cuda")):
+    if not any(m in sys.modules for m in ("cupy", "cuda.bindings.driver", "cuda.cuda", "torch", "numba.cuda")):
         return False
     try:
-        from cuda.bindings import driver
+        try:
+            from cuda.bindings import driver
+        except ImportError:  # cuda-python before 12.6 names the module differently
+            from cuda import cuda as driver  # type: ignore[no-redef]
 
         err, _ = driver.cuCtxGetCurrent()
     except Exception:  # no driver library: nothing was initialized

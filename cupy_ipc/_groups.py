@@ -180,9 +180,9 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
         A :class:`Gathered`: a sequence and a context manager.
 
     Raises:
-        IpcError: On every rank, if any rank of this host could not open a
-            peer's array (the message names them); each rank's export is
-            then released once the peers that opened it are done.
+        IpcError: On every rank, if any rank of this host could not share
+            its array or open a peer's (the message names them); each rank's
+            export is then released once the peers that opened it are done.
 
     Example:
         >>> with cupy_ipc.all_gather(buf, MPI.COMM_WORLD) as bufs:   # doctest: +SKIP
@@ -196,28 +196,38 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
         known = _group_hosts[id(group)] = (group, _local_ranks(engine))
     local = known[1]
     peers = len(local) - 1
-    mine = get_ipc_handle(array, consumers=peers) if peers else None
+    mine, error = None, None
+    if peers:
+        try:
+            mine = get_ipc_handle(array, consumers=peers)
+        except Exception as e:  # reported to every rank below: raising alone would leave the others waiting
+            error = f"rank {rank} could not share its array: {type(e).__name__}: {e}"
     everything = engine.handles(mine.to_bytes() if mine is not None else None)
-    if peers and device is None:
+    failed = error is not None
+    if peers and device is None and not failed:
         import cupy
 
         device = cupy.cuda.runtime.getDevice()
     arrays: list[Any] = [None] * size
     handles: list[IpcArrayHandle] = []
-    error = None
     arrays[rank] = array
     for r in local:
+        if failed:
+            break
         if r == rank:
             continue
+        if everything[r] is None:  # that rank could not share its array: its own message says why
+            failed = True
+            break
         try:
             h = IpcArrayHandle.from_bytes(everything[r])
             arrays[r] = h.open(device=device, copy=copy)
             handles.append(h)
         except Exception as e:  # reported to every rank below
             error = f"rank {rank} could not open rank {r}'s array: {type(e).__name__}: {e}"
-            break
+            failed = True
     result = Gathered(rank, arrays, handles)
-    if engine.failed(error is not None):  # only then are the messages gathered
+    if engine.failed(failed):  # only then are the messages gathered
         result.close()
         if mine is not None:  # not every peer opened it: let it go once those that did are done
             mine.release()

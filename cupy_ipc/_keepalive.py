@@ -15,11 +15,14 @@ while it holds fewer than 64 pins, so that a pipeline with buffers in flight
 frees each at the next export; past that, once per eighth of the pins left
 by the last sweep, so that an export costs a constant number of checks on
 average however many exports await their consumers (a pool mapping over
-thousands of arrays), for at most an eighth more pins held.
+thousands of arrays), for at most an eighth more pins held. A lease that runs
+out is revoked at once by a background thread, so that consumers are refused
+even if this process never exports again; its memory goes at the next sweep.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import os
 import threading
@@ -49,15 +52,16 @@ class PinInfo(NamedTuple):
 
 
 class _Pin:
-    __slots__ = ("export_id", "slot", "keep", "nbytes", "device", "consumers", "deadline",
+    __slots__ = ("export_id", "slot", "keep", "origin", "nbytes", "device", "consumers", "deadline",
                  "event", "revoked", "created", "description")
 
-    def __init__(self, export_id: int, slot: int, keep: Any, nbytes: int, device: int,
+    def __init__(self, export_id: int, slot: int, keep: Any, origin: tuple[int, int, int], device: int,
                  consumers: int, deadline: float | None, event: IpcEvent | None, description: Any) -> None:
         self.export_id = export_id
         self.slot = slot
         self.keep = keep
-        self.nbytes = nbytes
+        self.origin = origin
+        self.nbytes = origin[1]
         self.device = device
         self.consumers = consumers
         self.deadline = deadline
@@ -87,11 +91,12 @@ def _take_event(device: int) -> IpcEvent:
     return pool.pop() if pool else IpcEvent()
 
 
-def pin(keep: Any, nbytes: int, device: int, consumers: int, lease: float | None,
+def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, lease: float | None,
         stream_ptr: int | None, description: Any) -> tuple[int, int, bytes | None]:
     """Register an export; returns ``(export_id, slot, event handle or None)``.
 
-    ``keep`` is held until the pin ends. ``stream_ptr``, when given, is where
+    ``keep`` is held until the pin ends; ``origin`` is the exported
+    allocation's ``(base, size, buffer id)``. ``stream_ptr``, when given, is where
     the ordering event is recorded (the current device must be ``device``);
     a stream with no work left needs no event, and gets none.
     """
@@ -102,22 +107,60 @@ def pin(keep: Any, nbytes: int, device: int, consumers: int, lease: float | None
             _exports_to_sweep -= 1
         elif _pins:
             _sweep(seg)
-        event = None
+        event = handle = None
         if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
             event = _take_event(device)
-            _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event.ptr, stream_ptr)
+            try:
+                _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event.ptr, stream_ptr)
+                handle = event.get_ipc_handle().event_handle  # before the pin: a pin without a handle would leak
+            except BaseException:
+                _event_pool.setdefault(device, []).append(event)
+                raise
         slot = _free_slots.pop() if _free_slots else next(_slot_counter)
         export_id = next(_export_ids)
         seg.write(slot, export_id, PINNED | ONE_CONSUMER if consumers == 1 else PINNED)
         deadline = None if lease is None else time.monotonic() + lease
-        _pins[export_id] = _Pin(export_id, slot, keep, nbytes, device, consumers, deadline, event, description)
-    return export_id, slot, (event.get_ipc_handle().event_handle if event is not None else None)
+        _pins[export_id] = _Pin(export_id, slot, keep, origin, device, consumers, deadline, event, description)
+        if deadline is not None:
+            _watch(deadline, export_id)
+    return export_id, slot, handle
 
 
-def lookup(export_id: int) -> Any:
-    """The object pinned for an export of this process, or ``None``."""
+# --- leases: revoked when they run out, whether or not this process exports or collects again ---------
+_leases: list[tuple[float, int]] = []  # a heap of (deadline, export id)
+_leases_changed = threading.Condition(threading.Lock())
+_keeper: threading.Thread | None = None
+
+
+def _watch(deadline: float, export_id: int) -> None:
+    global _keeper
+    with _leases_changed:
+        heapq.heappush(_leases, (deadline, export_id))
+        if _keeper is None:
+            _keeper = threading.Thread(target=_keep_leases, name="cupy_ipc-leases", daemon=True)
+            _keeper.start()
+        _leases_changed.notify()
+
+
+def _keep_leases() -> None:
+    # Revoking is a write to the segment, so consumers are refused as soon as a lease runs out; the memory
+    # itself is let go by the next sweep (an export or collect()), on the threads that use CUDA.
+    while True:
+        with _leases_changed:
+            while not _leases or _leases[0][0] > time.monotonic():
+                _leases_changed.wait(None if not _leases else _leases[0][0] - time.monotonic())
+            _, export_id = heapq.heappop(_leases)
+        with _lock:
+            p = _pins.get(export_id)
+            if p is not None and not p.revoked:
+                _revoke(_segment_here(), p)
+
+
+def lookup(export_id: int) -> tuple[Any, tuple[int, int, int]] | None:
+    """``(the object pinned or None, the allocation's (base, size, buffer id))`` of a live export of this
+    process, or ``None``."""
     p = _pins.get(export_id)
-    return None if p is None else p.keep
+    return None if p is None else (p.keep, p.origin)
 
 
 def _revoke(seg: _segment.Segment, p: _Pin) -> None:
@@ -191,15 +234,25 @@ def pinned() -> list[PinInfo]:
         ]
 
 
+_inherited: list[Any] = []  # a forked child's copies of its parent's pins and events, never freed
+
+
 def reset() -> None:
-    """Forget every pin (in a forked child, whose parent owns them)."""
-    with _lock:
-        _pins.clear()
-        _free_slots.clear()
-        _event_pool.clear()
-        global _slot_counter, _exports_to_sweep
-        _slot_counter = itertools.count()
-        _exports_to_sweep = 0
+    """Forget every pin (in a forked child, whose parent owns them).
+
+    A new lock, since another thread may have held the old one at the fork.
+    The pinned arrays and pooled events are kept, not freed: freeing them
+    would make CUDA calls, which a forked child must not.
+    """
+    global _lock, _pins, _event_pool, _slot_counter, _exports_to_sweep, _leases_changed, _keeper
+    _lock = threading.RLock()
+    _leases_changed, _keeper = threading.Condition(threading.Lock()), None  # the keeper thread is the parent's
+    _leases.clear()
+    _inherited.append((_pins, _event_pool))
+    _pins, _event_pool = {}, {}
+    _free_slots.clear()
+    _slot_counter = itertools.count()
+    _exports_to_sweep = 0
 
 
 os.register_at_fork(after_in_child=reset)

@@ -44,7 +44,7 @@ Importer = tuple[Callable[[], int], Callable[[int], None], int]
 
 
 class _Mapping:
-    __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held", "descriptors")
+    __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held", "descriptors", "size")
 
     def __init__(self, ptr: int, device: int, imported: bool, close: Callable[[int], None] | None = None,
                  hold_claim: bool = False, descriptors: int = 0) -> None:
@@ -56,6 +56,7 @@ class _Mapping:
         self.hold_claim = hold_claim  # kept idle only with a claim on the producer's memory (pool imports)
         self.held: tuple[bytes, int] | None = None  # that claim, while idle
         self.descriptors = descriptors  # open while mapped (virtual memory: one per piece)
+        self.size: int | None = None  # bytes checked mapped, for an import
 
     def unmap(self) -> None:
         if not self.imported:
@@ -209,8 +210,13 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
          own_ptr: int | None, importer: "Importer | None", hold_claim: bool = False) -> _Mapping:
     m = _active.get(key)
-    if m is None and (m := _unpark(key)) is not None and m.held is not None:
-        _drop_held(m)  # the caller's claim protects the memory now
+    if m is None and (idle := _idle.get(key)) is not None:
+        _refuse_larger(idle, allocation_size)  # before it leaves the idle table
+        m = _unpark(key)
+        if m is not None and m.held is not None:
+            _drop_held(m)  # the caller's claim protects the memory now
+    elif m is not None:
+        _refuse_larger(m, allocation_size)
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
@@ -256,11 +262,20 @@ def _checked(m: _Mapping, allocation_size: int, ranges: int = 1) -> _Mapping:
     size = _mapped_bytes(m.ptr, allocation_size, ranges)
     if size < allocation_size:
         m.unmap()
-        raise HandleError(
-            f"the handle claims a {allocation_size}-byte allocation but the driver mapped "
-            f"{size} bytes: the handle is forged or corrupt"
-        )
+        raise HandleError(_forged(allocation_size, size))
+    m.size = size
     return m
+
+
+def _refuse_larger(m: _Mapping, allocation_size: int) -> None:
+    """A mapping reused for another handle of its allocation: that handle may claim no more than was mapped."""
+    if m.size is not None and allocation_size > m.size:
+        raise HandleError(_forged(allocation_size, m.size))
+
+
+def _forged(claimed: int, mapped: int) -> str:
+    return f"the handle claims a {claimed}-byte allocation but the driver mapped {mapped} bytes: the handle is " \
+        "forged or corrupt"
 
 
 def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> bool:
@@ -420,7 +435,8 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
 
 
 def _forget_after_fork() -> None:
-    global _queue, _idle_fds
+    global _queue, _idle_fds, _lock
+    _lock = threading.RLock()  # another thread may have held it at the fork
     _active.clear()
     _idle.clear()
     _idle_fds = 0

@@ -118,14 +118,20 @@ def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
         return hit[0]
     given = descriptors()
     fd = given[0] if given else take_fd(pid, fd_number)
+    for extra in (given or ())[1:]:
+        os.close(extra)
     err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _cuda.posix_fd(), 0)
     if err != driver.CUresult.CUDA_SUCCESS:
         os.close(fd)
         _cuda.check("importing the producer's memory pool", err)
     with _lock:
-        # Kept open: a handle sent on from here carries it (SCM_RIGHTS).
-        _imports[key] = (pool, fd)
-    return pool
+        hit = _imports.get(key)
+        if hit is None:
+            # Kept open: a handle sent on from here carries it (SCM_RIGHTS).
+            _imports[key] = (pool, fd)
+            return pool
+    os.close(fd)  # another thread imported the pool meanwhile: its descriptor is the one kept
+    return hit[0]
 
 
 def _give_access(pool: Any, device: int, home: int) -> None:
@@ -164,9 +170,17 @@ def free_imported(ptr: int) -> None:
 
 def forget() -> None:
     """After fork: the parent's descriptors and imports are not this process's to use."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    fds = {fd for fd, _ in _exports.values()} | {fd for _, fd in _imports.values()}
     _exports.clear()
     _imports.clear()
     _access.clear()
+    for fd in fds:  # this process's copies: the parent's stay open
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class ShareableMemoryPool:

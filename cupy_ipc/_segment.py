@@ -96,9 +96,18 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         seg = cls(fd, path, owner=True)
         seg.lock(ALIVE, READ)
-        os.ftruncate(fd, _DATA_START + _INITIAL_SLOTS * _RECORD.size)
+        seg._grow(_DATA_START + _INITIAL_SLOTS * _RECORD.size)
         seg._remap()
         return seg
+
+    def _grow(self, size: int) -> None:
+        # Allocated, not only sized: a full /dev/shm then fails here with ENOSPC, where a sparse file would
+        # kill the process with SIGBUS on its first write through the mapping.
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as e:
+            raise IpcError(f"cannot grow the segment {self.path} to {size} bytes: {os.strerror(e.errno or 0)} "
+                           f"(is {os.path.dirname(self.path)} full?)") from e
 
     def _remap(self) -> None:
         if self.mm is not None:
@@ -111,7 +120,7 @@ class Segment:
         if self.mm is not None and at + _RECORD.size <= len(self.mm):
             return True
         if self.owner:
-            os.ftruncate(self.fd, 2 * at + _RECORD.size)
+            self._grow(2 * at + _RECORD.size)
         self._remap()
         return self.mm is not None and at + _RECORD.size <= len(self.mm)
 
@@ -141,11 +150,30 @@ class Segment:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        fd, self.fd = self.fd, -1
         if self.mm is not None:
             self.mm.close()
             self.mm = None
-        os.close(self.fd)
-        self.fd = -1
+        os.close(fd)
+
+    def __del__(self) -> None:
+        # A consumer's view of a producer that has gone is dropped from the
+        # table, not closed: a thread may still be using it; the last user closes it.
+        if getattr(self, "fd", -1) >= 0:
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def _forget(self) -> None:
+        """In a forked child: close this process's copies of the descriptors, and never touch the numbers again
+        (they may name other files by then)."""
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     # --- locks -------------------------------------------------------------
     def lock(self, offset: int, kind: int, *, wait: bool = True) -> bool:
@@ -205,25 +233,32 @@ class Segment:
         held = in_use(slot)
         if self.read(slot)[2] & ONE_CONSUMER:
             self.lock(held, READ)
-            if not self._count(slot, export_id):
-                self.unlock(held)
+            if not self._count_or_unlock(slot, export_id):
                 return False
             return True
         if self.lock(held, WRITE, wait=False):
             # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
-            if not self._count(slot, export_id):
-                self.unlock(held)
+            if not self._count_or_unlock(slot, export_id):
                 return False
             self.lock(held, READ)
             return True
         self.lock(held, READ)
         self.lock(mutex(slot), WRITE)
         try:
-            ok = self._count(slot, export_id)
+            return self._count_or_unlock(slot, export_id)
         finally:
             self.unlock(mutex(slot))
+
+    def _count_or_unlock(self, slot: int, export_id: int) -> bool:
+        """Count an open of ``export_id`` at ``slot``, whose in-use lock the caller took; on refusal or error,
+        drop that lock (held with no claim, it would pin the memory until this process exits)."""
+        try:
+            ok = self._count(slot, export_id)
+        except BaseException:
+            self.unlock(in_use(slot))
+            raise
         if not ok:
-            self.unlock(held)
+            self.unlock(in_use(slot))
         return ok
 
     def _count(self, slot: int, export_id: int) -> bool:
@@ -249,6 +284,14 @@ class Segment:
 _own: Segment | None = None
 _attached: dict[bytes, Segment] = {}
 _create_lock = threading.Lock()
+_attach_lock = threading.Lock()
+_PRUNE_FROM = 16  # segments attached before those of exited producers are looked for
+_prune_at = _PRUNE_FROM
+
+
+def _close_own_at_exit(seg: Segment) -> None:
+    if seg is _own:  # not in a forked child, whose parent's segment this is
+        seg.close(unlink=True)
 
 
 def own_segment(token: bytes) -> Segment:
@@ -258,7 +301,7 @@ def own_segment(token: bytes) -> Segment:
         with _create_lock:  # multiprocessing pickles on its own threads
             if _own is None:
                 seg = Segment.create(token)
-                atexit.register(seg.close, unlink=True)
+                atexit.register(_close_own_at_exit, seg)
                 _own = seg
     return _own
 
@@ -269,28 +312,53 @@ def attach(token: bytes, pid: int) -> Segment:
     Raises:
         ProducerExitedError: The producer has exited; its stale file is removed.
     """
-    seg = _attached.get(token)
-    if seg is None:
-        seg = _attached[token] = Segment.attach(token, pid=pid)
-    if not seg.producer_alive():
-        del _attached[token]
-        seg.close(unlink=True)
-        raise ProducerExitedError(f"the producer process (pid {pid}) has exited", pid=pid)
+    with _attach_lock:  # threads open handles concurrently
+        seg = _attached.get(token)
+        opened = seg is None
+        if opened:
+            seg = _attached[token] = Segment.attach(token, pid=pid)
+            if len(_attached) >= _prune_at:
+                _prune()
+        if not seg.producer_alive():
+            _drop(token, seg)
+            if opened:  # nobody else has it yet
+                seg.close()
+            raise ProducerExitedError(f"the producer process (pid {pid}) has exited", pid=pid)
     return seg
+
+
+def _drop(token: bytes, seg: Segment) -> None:
+    # Out of the table and its stale file removed; the descriptors close with
+    # the last reference (a claim, or a thread between attach and claim).
+    _attached.pop(token, None)  # (a prune may have dropped it already)
+    try:
+        os.unlink(seg.path)
+    except OSError:
+        pass
+
+
+def _prune() -> None:
+    """Forget the segments of producers that have exited, so that a long-lived consumer of many short-lived
+    producers keeps no descriptors for them; looked for again once the table has doubled (amortized)."""
+    global _prune_at
+    for token, seg in list(_attached.items()):
+        if not seg.producer_alive():
+            _drop(token, seg)
+    _prune_at = max(_PRUNE_FROM, 2 * len(_attached))
 
 
 def _forget_after_fork() -> None:
     # The child shares the parent's open file descriptions: keeping them would
     # make the parent look alive after it died. Closing our copies drops no lock.
-    global _own, _create_lock
-    _create_lock = threading.Lock()
+    global _own, _create_lock, _attach_lock, _prune_at
+    _create_lock = threading.Lock()  # another thread may have held one at the fork
+    _attach_lock = threading.Lock()
     for seg in [_own, *_attached.values()]:
         if seg is not None:
-            if seg.mm is not None:
-                seg.mm.close()
-            os.close(seg.fd)
+            seg._forget()
     _own = None
     _attached.clear()
+    _prune_at = _PRUNE_FROM
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

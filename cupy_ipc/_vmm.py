@@ -249,6 +249,13 @@ def _close(fds: list[int]) -> None:
             os.close(fd)
 
 
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def _map_and_release(handles: list[tuple[Any, int]], device: int) -> int:
     """Map allocations ``(handle, size)``, in order, at new contiguous addresses readable and writable by
     ``device``; the handles are released (the mappings hold the memory). Returns the first address."""
@@ -303,12 +310,16 @@ def unmap(ptr: int, sizes: list[int]) -> None:
 
 def forget() -> None:
     """After fork: the parent's descriptors are not this process's to hand out."""
-    global _sweep_at
+    global _sweep_at, _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    fds = {fd for fd, _ in _exports.values()} | set(_kept.values())
     _exports.clear()
     _runs.clear()
     _by_mapping.clear()
     _by_fd.clear()
     _kept.clear()
+    for fd in fds:  # this process's copies: the parent's stay open
+        _close_quietly(fd)
     _sweep_at = _SWEEP_FLOOR
 
 

@@ -149,7 +149,7 @@ def dtype_of(value: object) -> np.dtype:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # numpy deprecates some aliases: refuse them too
             dt = np.dtype(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError, Warning) as e:
+    except Exception as e:  # NumPy parses text as dtype syntax: "," raises SyntaxError
         raise HandleError(f"not a dtype: {value!r}") from e
     if dt.str not in _DTYPES:
         raise HandleError(

@@ -52,10 +52,11 @@ import threading
 import warnings
 import weakref
 from multiprocessing import *  # noqa: F403 - the drop-in re-exports everything
+from multiprocessing.queues import Queue as _PlainQueue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-from . import _fdserver, _pools, _vmm
+from . import _fdserver, _fork, _pools, _vmm
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
 from ._events import IpcEvent, IpcEventHandle, export_event
@@ -103,11 +104,22 @@ def _errors_reach_the_receiver(reduce: Callable[[Any], Any]) -> Callable[[Any], 
         try:
             return reduce(obj)
         except IpcError as e:
-            if threading.current_thread().name != "QueueFeederThread":
+            if threading.current_thread().name != "QueueFeederThread" or _feeder_handles_errors():
                 raise
             return _raise_received, (f"{type(obj).__module__}.{type(obj).__qualname__}", str(e), e.cuda_error)
 
     return wrapper
+
+
+def _feeder_handles_errors() -> bool:
+    """Whether the queue this feeder thread serves handles a pickling error itself (``ProcessPoolExecutor``'s
+    call queue fails the task's future; its worker would die unpickling a raising message instead)."""
+    # The feeder's arguments include the queue's bound _on_queue_feeder_error (CPython 3.8 to 3.13).
+    for arg in getattr(threading.current_thread(), "_args", ()):
+        if getattr(arg, "__name__", None) == "_on_queue_feeder_error":
+            queue = getattr(arg, "__self__", None)  # None: the plain queue's, a static method
+            return queue is not None and type(queue)._on_queue_feeder_error is not _PlainQueue._on_queue_feeder_error
+    return False
 
 
 def _raise_received(what: str, text: str, cuda_error: str | None) -> Any:
@@ -159,6 +171,7 @@ _received_events: "weakref.WeakKeyDictionary[Any, bytes]" = weakref.WeakKeyDicti
 def _reduce_cupy_event(event: Any) -> tuple[Any, tuple[bytes]]:
     from cupy.cuda import runtime
 
+    _fork.check()  # before any CUDA call: a forked child would fail on it with a less helpful error
     received = _received_events.get(event)
     if received is not None:
         return _rebuild_cupy_event, (received,)

@@ -8,6 +8,7 @@ over a Unix socket, and taken with ``pidfd_getfd``, which the kernel refuses
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import socket
@@ -34,6 +35,30 @@ def _memfd(content: bytes) -> int:
 
 def _read(fd: int) -> bytes:
     return os.pread(fd, 64, 0)
+
+
+@contextlib.contextmanager
+def _at_the_open_file_limit():
+    """This process can open no descriptor more, for the block: the limit lowered to the lowest free number,
+    and every number below it that comes free meanwhile taken."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    probe = os.dup(2)
+    os.close(probe)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (probe, hard))
+    filler = []
+    try:
+        while True:
+            try:
+                filler.append(os.dup(2))
+            except OSError:
+                break
+        yield
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _pool_handle(fd_number: int = 9) -> IpcArrayHandle:
@@ -199,7 +224,8 @@ def test_pidfd_getfd_refused_by_a_non_dumpable_producer_and_a_unix_socket_still_
     outcome, received = _producer_and_consumer(dumpable=0)
     assert outcome.startswith("refused "), outcome
     assert "EPERM" in outcome and "ptrace" in outcome and "send_handle" in outcome
-    assert "cupy_ipc.multiprocessing" in outcome and "allow_ptrace_from_any" in outcome
+    assert "cupy_ipc.multiprocessing" in outcome
+    assert ("allow_ptrace_from_any" in outcome) == (ptrace_scope() == 1)  # the one rule a producer can relax
     assert received == b"shared"  # the same pair, over a Unix socket
 
 
@@ -216,6 +242,16 @@ def test_the_refusal_names_the_hosts_rule():
     assert "process 4242" in text and ("ptrace_scope" in text)
 
 
+@pytest.mark.parametrize("scope", [None, 0, 1, 2, 3])
+def test_the_refusal_offers_allow_ptrace_from_any_only_where_it_helps(monkeypatch, scope):
+    from cupy_ipc import _descriptors
+
+    monkeypatch.setattr(_descriptors, "ptrace_scope", lambda: scope)
+    text = refused_message(4242)
+    assert "send_handle" in text and "cupy_ipc.multiprocessing" in text
+    assert ("allow_ptrace_from_any" in text) == (scope == 1)
+
+
 def test_a_run_of_virtual_memory_pieces_has_one_id_never_given_to_another_run():
     # What a consumer keys a kept mapping by: the same run of exported allocations gets the same id, any other
     # run (one piece replaced by a new allocation, say) a new one, and a forgotten run a new one when seen again.
@@ -229,3 +265,44 @@ def test_a_run_of_virtual_memory_pieces_has_one_id_never_given_to_another_run():
     assert len({a, b, c, run, other}) == 5
     _vmm._runs.clear()
     assert _vmm.pieces_id((a, b)) not in (a, b, c, run, other)
+
+
+def test_descriptors_dropped_at_the_open_file_limit_are_reported_and_the_next_handle_is_whole():
+    # The kernel drops descriptors a receiver at its limit cannot take (MSG_CTRUNC): recv_handle says so, and
+    # reads no further than that handle's messages, so the next handle comes with its own descriptor.
+    a, b = socket.socketpair()
+    b.settimeout(10)
+    one, two = _memfd(b"ONE"), _memfd(b"TWO")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with _at_the_open_file_limit():
+                try:
+                    cupy_ipc.recv_handle(b)
+                    out = "received"
+                except IpcError as e:
+                    out = str(e)
+            (fd,) = cupy_ipc.recv_handle(b)._take_fds()
+            out += "|" + _read(fd).decode()
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = f"error {e!r}"
+        os.write(w, out.encode() + b"\n")
+        os._exit(code)
+    try:
+        for fd in (one, two):
+            h = _pool_handle(fd)
+            h._adopt_descriptors([os.dup(fd)])
+            cupy_ipc.send_handle(a, h)
+        line = os.read(r, 4096).decode().strip()
+    finally:
+        os.waitpid(pid, 0)
+        for x in (a, b):
+            x.close()
+        for x in (one, two, r, w):
+            os.close(x)
+    first, _, second = line.partition("|")
+    assert "open-file limit" in first, line
+    assert second == "TWO", line

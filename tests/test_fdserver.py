@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import pytest
 
 from cupy_ipc import IpcError, ProducerExitedError
 from cupy_ipc._fdserver import fetch, serve
 
-from test_descriptors import _as_nobody, _memfd, _read, may_switch_user  # noqa: F401 - a fixture
+from test_descriptors import _as_nobody, _at_the_open_file_limit, _memfd, _read, may_switch_user  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux descriptors")
 
@@ -42,6 +43,14 @@ def _read_line(fd: int) -> str:
             break
         data += chunk
     return data.decode().strip()
+
+
+def _serve_memfd(content: bytes, w: int) -> int:
+    """Serve a new memfd of ``content``; write the server's name and the descriptor's number to ``w``."""
+    fd = _memfd(content)
+    name = serve(lambda n: n == fd)
+    os.write(w, name.hex().encode() + f" {fd}\n".encode())
+    return fd
 
 
 def test_a_child_fetches_an_allowed_descriptor_and_is_refused_others():
@@ -89,9 +98,7 @@ def test_a_producer_that_has_exited_is_named():
     go_r, go_w = os.pipe()
 
     def producer() -> str:
-        fd = _memfd(b"x")
-        name = serve(lambda n: n == fd)
-        os.write(w, name.hex().encode() + f" {fd}\n".encode())
+        _serve_memfd(b"x", w)
         os.read(go_r, 1)
         return "done"
 
@@ -207,3 +214,128 @@ def test_a_forked_child_hands_out_none_of_its_parents_exported_descriptors():
         for x in (r, w, fd):
             os.close(x)
     assert line == f"False {_vmm._SWEEP_FLOOR} 0", line
+
+
+def test_a_request_that_timed_out_leaves_no_answer_for_the_next(monkeypatch):
+    # The server answers the first request late: the consumer gives up on it, and the late answer must not
+    # be taken as the answer to its next request (which asks for another descriptor).
+    from cupy_ipc import _fdserver
+
+    slow, fast = _memfd(b"slow"), _memfd(b"fast")
+    asked = []
+
+    def allowed(n: int) -> bool:
+        asked.append(n)
+        if n == slow and asked.count(slow) == 1:
+            time.sleep(1.0)
+        return n in (slow, fast)
+
+    name = serve(allowed)
+    _fdserver._close_connections()  # a connection cached by an earlier test has the default timeout
+    monkeypatch.setattr(_fdserver, "TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(IpcError, match="did not answer"):
+            fetch(name, os.getpid(), [slow])
+        (got,) = fetch(name, os.getpid(), [fast])
+        assert _read(got) == b"fast"
+        os.close(got)
+    finally:
+        _fdserver._close_connections()
+        for x in (slow, fast):
+            os.close(x)
+
+
+def test_descriptors_dropped_at_the_open_file_limit_are_reported():
+    fd = _memfd(b"served")
+    name = serve(lambda n: n == fd)
+    r, w = os.pipe()
+
+    def consumer() -> str:
+        from cupy_ipc import _fdserver
+
+        _fdserver._connection(name, os.getppid())  # connected first: the limit is for the answer's descriptor
+        with _at_the_open_file_limit():
+            try:
+                fetch(name, os.getppid(), [fd])
+                first = "served"
+            except IpcError as e:
+                first = str(e)
+        (got,) = fetch(name, os.getppid(), [fd])  # the same connection, in step
+        return f"{first}|{_read(got).decode()}"
+
+    pid = _child(consumer, pipe_out=w)
+    line = _read_line(r)
+    os.waitpid(pid, 0)
+    for x in (r, w, fd):
+        os.close(x)
+    first, again = line.split("|")
+    assert "open-file limit" in first, line
+    assert again == "served", line
+
+
+def test_the_server_outlives_a_failed_accept():
+    # A producer at its open-file limit cannot accept a connection: its server waits and accepts it later,
+    # rather than ending and leaving every later consumer waiting on a socket nobody serves. (The accept
+    # already waiting when the limit falls has its descriptor: the first consumer is served; the next
+    # accept is the one that fails.)
+    from cupy_ipc import _fdserver
+
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def producer() -> str:
+        fd = _memfd(b"later")
+        name = serve(lambda n: n == fd)
+        with _at_the_open_file_limit():
+            os.write(w, name.hex().encode() + f" {fd}\n".encode())
+            time.sleep(0.5)  # the consumer's connection waits, unaccepted
+        os.read(go_r, 1)
+        return "done"
+
+    pid = _child(producer, pipe_out=w)
+    name_hex, fd = _read_line(r).split()
+    try:
+        for _ in range(2):  # each over a new connection
+            (got,) = fetch(bytes.fromhex(name_hex), pid, [int(fd)])
+            assert _read(got) == b"later"
+            os.close(got)
+            _fdserver._close_connections()
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        for x in (r, w, go_r, go_w):
+            os.close(x)
+
+
+def test_a_child_forked_by_the_producer_does_not_keep_its_consumers_waiting():
+    # The producer forks, then exits: its child must not hold the consumer's connection open, or the
+    # consumer's next request would wait for an answer nobody sends instead of learning the producer is gone.
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def producer() -> str:
+        _serve_memfd(b"x", w)
+        os.read(go_r, 1)  # the consumer's connection is accepted and served
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)  # outlives the producer
+            os._exit(0)
+        return str(child)
+
+    pid = _child(producer, pipe_out=w)
+    name_hex, fd = _read_line(r).split()
+    name = bytes.fromhex(name_hex)
+    (got,) = fetch(name, pid, [int(fd)])
+    os.close(got)
+    os.write(go_w, b"x")
+    grandchild = int(_read_line(r))
+    os.waitpid(pid, 0)
+    try:
+        t = time.monotonic()
+        with pytest.raises(ProducerExitedError):
+            fetch(name, pid, [int(fd)])  # over the cached connection
+        assert time.monotonic() - t < 10
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+        for x in (r, w, go_r, go_w):
+            os.close(x)

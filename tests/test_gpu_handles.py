@@ -164,6 +164,69 @@ def test_forged_allocation_size_is_refused_after_mapping(consumer):
     assert consumer.call("read_first", real.to_bytes()) == 1
 
 
+def test_forged_allocation_size_is_refused_on_a_mapping_in_use(consumer):
+    # The driver's size check runs when an allocation is first mapped; a second handle of the same allocation
+    # reuses that mapping and must not claim more of it.
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(1 << 20, cupy.uint8)
+    real = cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False)
+    forged = cupy_ipc.IpcArrayHandle(
+        memory_handle=real.memory_handle, offset=real.allocation_size * 2, allocation_size=real.allocation_size * 4,
+        shape=(16,), strides=(1,), dtype="uint8", device=real.device, producer=real.producer,
+    )
+    consumer.call("hold", real.to_bytes(), "genuine")
+    try:
+        kind, message, _ = consumer.call("open_error", forged.to_bytes())
+        assert kind == "HandleError" and "forged" in message, message
+        assert float(consumer.call("read_held", "genuine")[0]) == 1  # the mapping in use is untouched
+    finally:
+        consumer.call("drop", "genuine")
+
+
+def _forged_bytes(handle, factor):
+    """``handle``'s wire bytes with its allocation size, and a shape reaching all of it, ``factor`` times larger."""
+    from cupy_ipc import _wire
+
+    f = _wire.unpack_array(handle.to_bytes())
+    size = f.allocation_size * factor
+    return _wire.pack_array(f._replace(allocation_size=size, offset=0, shape=(size,), strides=(1,),
+                                       dtype=np.dtype("uint8")))
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_forged_handle_of_our_own_memory_is_refused(pinned):
+    # Opened in the exporting process, a handle maps nothing: it must still claim no more than the allocation.
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(1 << 20, cupy.uint8)
+    real = cupy_ipc.get_ipc_handle(a, keepalive=pinned, sync=pinned)
+    with pytest.raises(cupy_ipc.HandleError, match="forged"):
+        cupy_ipc.IpcArrayHandle.from_bytes(_forged_bytes(real, 4)).open()
+    with real as view:  # the genuine handle still opens
+        assert int(view[0]) == 1
+    real.release()
+
+
+def test_an_array_reshaped_in_place_is_exported_with_its_new_shape(consumer):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.arange(6, dtype=cupy.float32)
+    first = cupy_ipc.get_ipc_handle(a)
+    assert first.shape == (6,)
+    first.release()
+    a.shape = (2, 3)  # CuPy changes a live array's layout in place
+    h = cupy_ipc.get_ipc_handle(a)
+    assert h.shape == (2, 3) and h.strides == (12, 4)
+    np.testing.assert_array_equal(consumer.call("read", h.to_bytes()), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
 def test_handle_from_another_host_is_refused_before_cuda(consumer):
     import cupy
 

@@ -106,3 +106,52 @@ def test_torch_engine_gathers_short_missing_and_long_handles_and_any_failure(tmp
             p.join(10)
             if p.is_alive():
                 p.kill()
+
+
+class ThreadsComm:
+    """mpi4py's Comm interface for ranks that are threads of this process (one host), with real collectives."""
+
+    def __init__(self, rank: int, shared: dict) -> None:
+        self.rank, self.shared = rank, shared
+
+    def Get_rank(self) -> int:
+        return self.rank
+
+    def Get_size(self) -> int:
+        return self.shared["size"]
+
+    def allgather(self, obj):
+        slots, barrier = self.shared["slots"], self.shared["barrier"]
+        slots[self.rank] = obj
+        barrier.wait(30)
+        out = list(slots)
+        barrier.wait(30)
+        return out
+
+    def allreduce(self, value):
+        return sum(self.allgather(value))
+
+
+def test_a_rank_that_cannot_share_its_array_fails_every_rank_instead_of_leaving_them_waiting():
+    # Rank 0's array is host memory, which cannot be shared: it must still take part in the collectives,
+    # so that every rank raises the same error rather than rank 1 waiting for rank 0's handle for ever.
+    import threading
+
+    shared = {"size": 2, "slots": [None, None], "barrier": threading.Barrier(2)}
+    errors: list[BaseException | None] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            cupy_ipc.all_gather(np.arange(3), ThreadsComm(r, shared)).close()
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for e in errors:
+        assert isinstance(e, cupy_ipc.IpcError), e
+        assert "rank 0 could not share its array" in str(e) and "rank 1 could not share its array" in str(e)

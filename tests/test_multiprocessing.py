@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copyreg
 import multiprocessing
 import subprocess
@@ -102,3 +103,13 @@ def test_a_refusal_elsewhere_is_raised_to_the_sender(unshareable):
     a, b = multiprocessing.Pipe()
     with a, b, pytest.raises(cupy_ipc.IpcError, match="managed memory"):
         a.send(_Unshareable())  # a pipe pickles in the caller's thread
+
+
+def test_a_refusal_in_a_process_pool_fails_the_task_and_keeps_the_pool(unshareable):
+    # The executor's call queue pickles on a feeder thread too, and fails the task's future itself; a message
+    # that raises when unpickled would kill the worker instead (BrokenProcessPool for every later task).
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        failed = ex.submit(len, _Unshareable())
+        with pytest.raises(cupy_ipc.IpcError, match="managed memory"):
+            failed.result(60)
+        assert ex.submit(len, [1, 2, 3]).result(60) == 3

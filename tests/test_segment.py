@@ -42,7 +42,7 @@ def _idle_until_orphaned(limit=120.0):
 
 
 def _create_and_hold(token, ready):
-    Segment.create(token)
+    seg = Segment.create(token)  # noqa: F841 - held: a segment no longer referenced closes, dropping its locks
     ready.set()
     _idle_until_orphaned()
 

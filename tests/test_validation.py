@@ -218,7 +218,7 @@ def test_unsupported_dtype_in_constructor(dtype):
     rejected("cannot be shared", make, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float33", "not a dtype", 3.5, "M8[parsec]"])
+@pytest.mark.parametrize("dtype", ["float33", "not a dtype", 3.5, "M8[parsec]", ",", "9)Ib"])
 def test_not_a_dtype_in_constructor(dtype):
     rejected("not a dtype", make, dtype=dtype)
 
@@ -228,7 +228,8 @@ def test_unsupported_dtype_on_the_wire(text):
     rejected("cannot be shared", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, dtype=text))
 
 
-@pytest.mark.parametrize("text", [b"", b"zz", b"\x00<f4", b"(2)f", b"<f4x"])
+# "," and the like are dtype syntax to NumPy, which raises SyntaxError on them.
+@pytest.mark.parametrize("text", [b"", b"zz", b"\x00<f4", b"(2)f", b"<f4x", b",", b"06e\n", b"9)Ib"])
 def test_garbage_dtype_on_the_wire(text):
     rejected("not a dtype", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, dtype=text))
 

@@ -1,0 +1,177 @@
+"""The producer's registry and the library's state across fork, without a GPU: pins without CUDA work (no
+ordering event), segments, and the locks a forked child inherits."""
+
+from __future__ import annotations
+
+import gc
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import pytest
+
+from cupy_ipc import _keepalive, _segment
+from cupy_ipc._identity import this_process
+from cupy_ipc._segment import REVOKED, STATE, Segment, segment_path
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux segments and fork")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+
+
+def _forget(tokens: list[bytes], producers: list[Segment]) -> None:
+    """Close this test's views of ``tokens`` and its ``producers`` (files removed)."""
+    for t in tokens:
+        seg = _segment._attached.pop(t, None)
+        if seg is not None:
+            seg.close()
+    for p in producers:
+        p.close(unlink=True)
+
+
+def test_a_lease_runs_out_though_the_producer_never_exports_again():
+    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.05, None, ((16,), "float32"))
+    try:
+        seg = _segment.own_segment(this_process().token)
+        consumer = Segment.attach(this_process().token, pid=os.getpid())  # a consumer's own open file
+        end = time.monotonic() + 10
+        while seg.read(slot)[2] & STATE != REVOKED and time.monotonic() < end:
+            time.sleep(0.01)
+        assert seg.read(slot)[2] & STATE == REVOKED
+        assert not consumer.claim(slot, export_id)  # refused, holding nothing
+        consumer.close()
+    finally:
+        _keepalive.release(export_id)
+    assert all(p.export_id != export_id for p in _keepalive.pinned())
+
+
+def test_a_lease_not_yet_run_out_still_admits_its_consumer():
+    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 60.0, None, ((16,), "float32"))
+    consumer = Segment.attach(this_process().token, pid=os.getpid())
+    try:
+        assert consumer.claim(slot, export_id)
+        consumer.unlock(_segment.in_use(slot))
+    finally:
+        consumer.close()
+        _keepalive.release(export_id)
+
+
+def test_the_segments_of_exited_producers_are_let_go(monkeypatch):
+    # A long-lived consumer of many short-lived producers must not keep a descriptor for each one gone.
+    tokens = [secrets.token_bytes(16) for _ in range(40)]
+    producers = [Segment.create(t) for t in tokens]
+    try:
+        views = [weakref.ref(_segment.attach(t, os.getpid())) for t in tokens[:20]]
+        for p in producers[:20]:
+            p.close()  # these producers have exited: their liveness locks went with them
+        monkeypatch.setattr(_segment, "_prune_at", 1)  # look for exited ones at the next new producer
+        for t in tokens[20:]:
+            _segment.attach(t, os.getpid())
+        assert not any(t in _segment._attached for t in tokens[:20])
+        assert all(t in _segment._attached for t in tokens[20:])
+        assert not any(os.path.exists(segment_path(t)) for t in tokens[:20])
+        gc.collect()
+        assert all(v() is None for v in views)  # closed with their last reference
+    finally:
+        _forget(tokens, producers)
+
+
+def test_a_segment_no_longer_referenced_closes_its_descriptors():
+    token = secrets.token_bytes(16)
+    producer = Segment.create(token)
+    try:
+        view = Segment.attach(token, pid=os.getpid())
+        fd = view.fd
+        assert os.path.exists(f"/proc/self/fd/{fd}")
+        del view
+        gc.collect()
+        assert not os.path.exists(f"/proc/self/fd/{fd}") or os.path.realpath(f"/proc/self/fd/{fd}") != \
+            os.path.realpath(segment_path(token))
+    finally:
+        producer.close(unlink=True)
+
+
+def test_threads_attaching_one_producer_share_one_open_file():
+    own = _segment.own_segment(this_process().token)
+    tokens = [secrets.token_bytes(16) for _ in range(30)]
+    producers = [Segment.create(t) for t in tokens]
+    seen: list[list[Segment]] = [[] for _ in tokens]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def attach_all() -> None:
+        for k, t in enumerate(tokens):
+            try:
+                barrier.wait(10)
+                seen[k].append(_segment.attach(t, os.getpid()))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    threads = [threading.Thread(target=attach_all) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not errors
+        assert all(len(s) == 8 and all(x is s[0] for x in s) for s in seen)
+    finally:
+        _forget(tokens, producers)
+    assert own.fd >= 0
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_segment():
+    # The child runs its exit handlers, which the parent registered: the parent's segment must stay, or no
+    # consumer could open the parent's handles any more.
+    done = _run("""
+        import os, sys
+        from cupy_ipc import _segment
+        from cupy_ipc._identity import this_process
+        own = _segment.own_segment(this_process().token)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # the exit handlers run
+        os.waitpid(pid, 0)
+        assert os.path.exists(own.path), "the child removed the parent's segment"
+        view = _segment.Segment.attach(this_process().token, pid=os.getpid())
+        assert view.producer_alive()
+        print("ok")
+    """)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_child_forked_while_another_thread_holds_the_librarys_locks_can_take_them():
+    done = _run("""
+        import os, threading
+        from cupy_ipc import _keepalive, _mapping, _pools, _segment, _vmm, _fdserver
+        locks = [_keepalive._lock, _mapping._lock, _pools._lock, _vmm._lock, _segment._attach_lock,
+                 _segment._create_lock, _fdserver._lock]
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            for lock in locks:
+                lock.acquire()
+            held.set()
+            release.wait()
+            for lock in locks:
+                lock.release()
+
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            fresh = [_keepalive._lock, _mapping._lock, _pools._lock, _vmm._lock, _segment._attach_lock,
+                     _segment._create_lock, _fdserver._lock]
+            os._exit(0 if all(lock.acquire(timeout=5) for lock in fresh) else 1)
+        _, status = os.waitpid(pid, 0)
+        release.set()
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    assert done.returncode == 0 and done.stdout.strip() == "0", (done.stdout, done.stderr)
