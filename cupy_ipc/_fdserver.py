@@ -210,10 +210,10 @@ def fetch(name: bytes, pid: int, numbers: list[int]) -> list[int]:
             _forget_connection(name, sock)
             if isinstance(e, TimeoutError):
                 raise IpcError(f"producer process {pid} did not answer a request for descriptors within "
-                               f"{TIMEOUT_S:.0f} s") from None
+                               f"{TIMEOUT_S:g} s") from None
             if not isinstance(e, OSError):
                 raise
-            if e.errno not in (errno.EPIPE, errno.ECONNRESET):
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # EBADF: another thread closed it
                 raise IpcError(f"asking producer process {pid} for descriptors failed: {e}") from e
             head, fds, flags = b"", [], 0
         if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors it could not install here

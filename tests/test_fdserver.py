@@ -339,3 +339,21 @@ def test_a_child_forked_by_the_producer_does_not_keep_its_consumers_waiting():
         os.kill(grandchild, signal.SIGKILL)
         for x in (r, w, go_r, go_w):
             os.close(x)
+
+
+def test_a_connection_closed_under_a_request_is_replaced():
+    # Another thread may drop a connection (after its own request failed) just before this one uses it.
+    from cupy_ipc import _fdserver
+
+    fd = _memfd(b"again")
+    name = serve(lambda n: n == fd)
+    try:
+        (got,) = fetch(name, os.getpid(), [fd])  # the connection is cached
+        os.close(got)
+        _fdserver._connections[name][1].close()  # closed, still in the table
+        (got,) = fetch(name, os.getpid(), [fd])
+        assert _read(got) == b"again"
+        os.close(got)
+    finally:
+        _fdserver._close_connections()
+        os.close(fd)
