@@ -52,7 +52,7 @@ class PinInfo(NamedTuple):
 
 
 class _Pin:
-    __slots__ = ("export_id", "slot", "keep", "origin", "nbytes", "device", "consumers", "deadline",
+    __slots__ = ("export_id", "slot", "keep", "origin", "device", "consumers", "deadline",
                  "event", "revoked", "created", "description")
 
     def __init__(self, export_id: int, slot: int, keep: Any, origin: tuple[int, int, int], device: int,
@@ -60,8 +60,7 @@ class _Pin:
         self.export_id = export_id
         self.slot = slot
         self.keep = keep
-        self.origin = origin
-        self.nbytes = origin[1]
+        self.origin = origin  # (base, size, buffer id)
         self.device = device
         self.consumers = consumers
         self.deadline = deadline
@@ -227,7 +226,7 @@ def pinned() -> list[PinInfo]:
     with _lock:
         seg = _segment_here() if _pins else None
         return [
-            PinInfo(p.export_id, p.nbytes, p.device, p.consumers, seg.read(p.slot)[1] if seg else 0,
+            PinInfo(p.export_id, p.origin[1], p.device, p.consumers, seg.read(p.slot)[1] if seg else 0,
                     now - p.created, None if p.deadline is None else max(0.0, p.deadline - now),
                     p.revoked, "{} {}".format(*p.description))
             for p in _pins.values()

@@ -141,12 +141,16 @@ def _trim_idle() -> None:
     # Unmapped here rather than on the background thread: measured with fresh
     # buffers, an unmap there slowed the next open more than it saved here.
     while len(_idle) > _idle_limit:
-        _discard(_unpark(next(iter(_idle))))  # type: ignore[arg-type]
+        _discard_oldest()
     if _idle_fds and _idle_fds > _fd_limit():
         for key in [k for k, m in _idle.items() if m.descriptors]:  # oldest first
             _discard(_unpark(key))  # type: ignore[arg-type]
             if _idle_fds <= _fd_limit():
                 break
+
+
+def _discard_oldest() -> None:
+    _discard(_unpark(next(iter(_idle))))  # type: ignore[arg-type]
 
 
 def _discard(m: _Mapping) -> None:
@@ -165,7 +169,7 @@ def collect_idle() -> int:
     with _lock:
         n = len(_idle)
         while _idle:
-            _discard(_unpark(next(iter(_idle))))  # type: ignore[arg-type]
+            _discard_oldest()
     return n
 
 
@@ -209,14 +213,11 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
          own_ptr: int | None, importer: "Importer | None", hold_claim: bool = False) -> _Mapping:
-    m = _active.get(key)
-    if m is None and (idle := _idle.get(key)) is not None:
-        _refuse_larger(idle, allocation_size)  # before it leaves the idle table
-        m = _unpark(key)
-        if m is not None and m.held is not None:
+    m = _active.get(key) or _idle.get(key)  # a mapping is in use or idle, never both
+    if m is not None:
+        _refuse_larger(m, allocation_size)  # before an idle one leaves its table
+        if _unpark(key) is not None and m.held is not None:
             _drop_held(m)  # the caller's claim protects the memory now
-    elif m is not None:
-        _refuse_larger(m, allocation_size)
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)

@@ -165,16 +165,6 @@ class Segment:
             except Exception:
                 pass
 
-    def _forget(self) -> None:
-        """In a forked child: close this process's copies of the descriptors, and never touch the numbers again
-        (they may name other files by then)."""
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
     # --- locks -------------------------------------------------------------
     def lock(self, offset: int, kind: int, *, wait: bool = True) -> bool:
         """Take (or with ``F_UNLCK`` drop) a one-byte lock; False if ``wait`` is off and it is held."""
@@ -233,9 +223,7 @@ class Segment:
         held = in_use(slot)
         if self.read(slot)[2] & ONE_CONSUMER:
             self.lock(held, READ)
-            if not self._count_or_unlock(slot, export_id):
-                return False
-            return True
+            return self._count_or_unlock(slot, export_id)
         if self.lock(held, WRITE, wait=False):
             # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
             if not self._count_or_unlock(slot, export_id):
@@ -355,7 +343,7 @@ def _forget_after_fork() -> None:
     _attach_lock = threading.Lock()
     for seg in [_own, *_attached.values()]:
         if seg is not None:
-            seg._forget()
+            seg.close()  # our copies only; the numbers are never used again
     _own = None
     _attached.clear()
     _prune_at = _PRUNE_FROM
