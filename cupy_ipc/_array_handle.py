@@ -463,7 +463,8 @@ class IpcArrayHandle:
         fds = self._fd
         object.__setattr__(self, "_fd", None)
         if fds is None and self._server is not None:
-            fds = tuple(_fdserver.fetch(self._server, self._f.producer.pid, self._producer_numbers()))
+            fds = tuple(_fdserver.fetch(self._server, self._f.producer.pid, self._producer_numbers(),
+                                             self._f.resource))
         return fds
 
     def _producer_numbers(self) -> list[int]:

@@ -193,10 +193,10 @@ def _sent(kind: str, device: int, handle: Any) -> tuple[str, int, bytes, bytes |
     """A self-test message: the handle's bytes and, for memory shared by descriptor, the producer's descriptor
     server, as ``cupy_ipc.multiprocessing`` sends arrays (no ptrace permission needed: that one is reported
     on its own, under "ptrace")."""
-    from .multiprocessing import _exported_fd
+    from .multiprocessing import _exported
 
     descriptors = getattr(handle, "_descriptors", lambda: [])()
-    return kind, device, handle.to_bytes(), _fdserver.serve(_exported_fd) if descriptors else None
+    return kind, device, handle.to_bytes(), _fdserver.serve(_exported) if descriptors else None
 
 
 def _ask(conn: Any, proc: Any, msg: Any) -> Any:

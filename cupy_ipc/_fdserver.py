@@ -8,15 +8,17 @@ pool's descriptor crosses once per consumer, and arrays that need none cost
 no more than their bytes. ``SCM_RIGHTS`` needs no ptrace permission.
 
 The socket is in the abstract namespace, named after the producer's random
-token; it serves processes of the same user (or root) only, and only
-descriptors that back memory this process exports.
+token, where any process can see its name. So it serves only processes of the
+same user (or root) that present the server's random secret, which travels
+with the handle's bytes, and only the descriptors that back the memory a
+request names (by the id of the pool or run of pieces in the handle): never
+a descriptor whose number was reused for other memory since the handle left.
 
 Example:
     >>> import os
     >>> r, w = os.pipe()
-    >>> serving = {r}
-    >>> name = serve(lambda fd: fd in serving)
-    >>> got = fetch(name, os.getpid(), [r])
+    >>> address = serve(lambda fds, resource: fds == [r] and resource == 7)
+    >>> got = fetch(address, os.getpid(), [r], 7)
     >>> os.path.samestat(os.fstat(got[0]), os.fstat(r))
     True
     >>> for fd in (r, w, *got): os.close(fd)
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import atexit
 import errno
+import hmac
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -38,7 +42,9 @@ from ._identity import this_process
 
 __all__ = ["fetch", "serve", "served"]
 
-_COUNT = struct.Struct("<I")  # a request: the count, then that many descriptor numbers (i32)
+_COUNT = struct.Struct("<I")  # an answer: how many descriptors come with it (0: refused)
+_SECRET_BYTES = 16
+_REQUEST = struct.Struct(f"<{_SECRET_BYTES}sIQ")  # the secret, the count, the resource; then the numbers (i32)
 TIMEOUT_S = 30.0  # for a producer's answer
 _RETRY_S = 0.05  # before accepting again after a failed accept
 _TRUNCATED = ("descriptors sent to this process were dropped on receipt: it is at its open-file limit "
@@ -47,8 +53,8 @@ _MAX = 253  # SCM_MAX_FD: descriptors per message
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 _lock = threading.Lock()
-_server: tuple[bytes, socket.socket] | None = None  # (name, listening socket)
-_allowed: Callable[[int], bool] = lambda fd: False  # noqa: E731 - replaced by serve()
+_server: tuple[bytes, socket.socket, bytes] | None = None  # (name, listening socket, secret)
+_allowed: Callable[[list[int], int], bool] = lambda fds, resource: False  # noqa: E731 - replaced by serve()
 _connections: dict[bytes, tuple[threading.Lock, socket.socket]] = {}  # consumer: name -> connection
 _accepted: set[socket.socket] = set()  # producer: connections being served
 
@@ -57,27 +63,30 @@ def _name(token: bytes) -> bytes:
     return b"\0cupy_ipc-fd-" + token.hex().encode()
 
 
-def serve(allowed: Callable[[int], bool]) -> bytes:
-    """Start this process's descriptor server (once) and return its socket name.
+def serve(allowed: Callable[[list[int], int], bool]) -> bytes:
+    """Start this process's descriptor server (once) and return its address, for :func:`fetch`: the socket's
+    name and the secret a request must carry. Send it only to the processes meant to have the descriptors.
 
-    ``allowed(fd)`` says whether descriptor ``fd`` backs memory this process
-    exports; no other descriptor is ever handed out. The latest call's ``allowed`` applies.
+    ``allowed(fds, resource)`` says whether descriptors ``fds`` (numbers in
+    this process) back the memory this process exports under id ``resource``
+    (a pool's or a run of pieces'); no other descriptor is ever handed out.
+    The latest call's ``allowed`` applies.
     """
     global _server, _allowed
     with _lock:
         _allowed = allowed
         if _server is not None:
-            return _server[0]
-        name = _name(this_process().token)
+            return _server[0] + _server[2]
+        name, secret = _name(this_process().token), secrets.token_bytes(_SECRET_BYTES)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(name)
         listener.listen(64)
-        _server = (name, listener)
-    threading.Thread(target=_accept, args=(listener,), name="cupy_ipc-fd-server", daemon=True).start()
-    return name
+        _server = (name, listener, secret)
+    threading.Thread(target=_accept, args=(listener, secret), name="cupy_ipc-fd-server", daemon=True).start()
+    return name + secret
 
 
-def _accept(listener: socket.socket) -> None:
+def _accept(listener: socket.socket, secret: bytes) -> None:
     while True:
         try:
             conn, _ = listener.accept()
@@ -95,7 +104,7 @@ def _accept(listener: socket.socket) -> None:
                 continue
             with _lock:
                 _accepted.add(conn)
-            threading.Thread(target=_answer, args=(conn,), name=f"cupy_ipc-fd-server-{pid}",
+            threading.Thread(target=_answer, args=(conn, secret), name=f"cupy_ipc-fd-server-{pid}",
                              daemon=True).start()
         except (OSError, RuntimeError):  # gone already, or no thread to serve it: the consumer sees it closed
             with _lock:
@@ -126,28 +135,28 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
     return data
 
 
-def _answer(conn: socket.socket) -> None:
-    """Serve one consumer's requests: a count, then that many descriptor numbers; the answer is the count of
-    descriptors sent (0: refused) with the descriptors."""
+def _answer(conn: socket.socket, secret: bytes) -> None:
+    """Serve one consumer's requests: the secret, a count, the resource, then that many descriptor numbers;
+    the answer is the count of descriptors sent (0: refused) with the descriptors."""
     try:
-        _serve_requests(conn)
+        _serve_requests(conn, secret)
     finally:
         with _lock:
             _accepted.discard(conn)
         conn.close()
 
 
-def _serve_requests(conn: socket.socket) -> None:
+def _serve_requests(conn: socket.socket, secret: bytes) -> None:
     while True:
         try:
-            head = _recv_exactly(conn, _COUNT.size)
+            head = _recv_exactly(conn, _REQUEST.size)
             if not head:
                 return
-            (n,) = _COUNT.unpack(head)
+            presented, n, resource = _REQUEST.unpack(head)
             if not 0 < n <= _MAX:
                 return
             numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
-            if all(_allowed(fd) for fd in numbers):
+            if hmac.compare_digest(presented, secret) and _allowed(numbers, resource):
                 socket.send_fds(conn, [_COUNT.pack(n)], numbers)
                 _count(n)
             else:
@@ -188,21 +197,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def fetch(name: bytes, pid: int, numbers: list[int]) -> list[int]:
-    """Descriptors ``numbers`` of producer ``pid``, asked of its server ``name``: duplicates, the caller's to
-    close.
+def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> list[int]:
+    """Descriptors ``numbers`` of producer ``pid``, backing the memory it exports under id ``resource``, asked
+    of its server at ``address`` (as :func:`serve` returned it): duplicates, the caller's to close.
 
     Raises:
         ProducerExitedError: The producer has exited.
-        IpcError: It refused (it no longer exports that memory) or could not be reached.
+        IpcError: It refused (it no longer exports that memory, or the address is wrong) or could not be
+            reached.
     """
     if not 0 < len(numbers) <= _MAX:
         raise IpcError(f"cannot ask for {len(numbers)} descriptors at once (1 to {_MAX})")
+    if len(address) <= _SECRET_BYTES:
+        raise IpcError("not a descriptor server's address")
+    name, secret = address[:-_SECRET_BYTES], address[-_SECRET_BYTES:]
     for attempt in (0, 1):  # a connection may have broken since its last use: one retry on a new one
         lock, sock = _connection(name, pid)
         try:
             with lock:
-                sock.sendall(struct.pack(f"<I{len(numbers)}i", len(numbers), *numbers))
+                sock.sendall(_REQUEST.pack(secret, len(numbers), resource) + struct.pack(f"<{len(numbers)}i", *numbers))
                 head, fds, flags, _ = socket.recv_fds(sock, _COUNT.size, _MAX)
         except BaseException as e:
             # Interrupted or failed between request and answer: an answer may still come, for the next

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from . import _cuda
 from ._errors import IpcError
 
-__all__ = ["export", "exports_fd", "forget", "import_pointer", "pool_of", "received_fd", "send_on",
+__all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received_fd", "send_on",
            "ShareableMemoryPool"]
 
 EXPORT_BYTES = 64
@@ -70,6 +70,17 @@ def export(ptr: int, pool: int) -> tuple[bytes, int, int]:
     return ctypes.string_at(data.getPtr(), EXPORT_BYTES), hit[0], hit[1]
 
 
+def _forget_export(pool: int) -> None:
+    """Stop exporting pool ``pool`` (it is being destroyed): its descriptor closes and no longer serves."""
+    with _lock:
+        hit = _exports.pop(pool, None)
+    if hit is not None:
+        try:
+            os.close(hit[0])
+        except OSError:
+            pass
+
+
 def send_on(token: bytes, pool_id: int) -> tuple[int, int]:
     """``(descriptor, pool id)`` with which this process sends on allocations of the pool it imported from
     the producer ``token`` (its ``pool_id`` there): its own descriptor of that pool, under an id of its own."""
@@ -93,10 +104,10 @@ def producer_fd(pool_id: int) -> int | None:
     return None
 
 
-def exports_fd(fd: int) -> bool:
-    """True when ``fd`` is the descriptor of a pool this process exports."""
+def exports(fds: list[int], pool_id: int) -> bool:
+    """True when ``fds`` is this process's descriptor of the pool it exports as ``pool_id``."""
     with _lock:
-        return any(fd == own for own, _ in _exports.values())
+        return len(fds) == 1 and (fds[0], pool_id) in _exports.values()
 
 
 def received_fd(token: bytes, pool_id: int) -> int | None:
@@ -213,6 +224,7 @@ class ShareableMemoryPool:
         n = _cuda.device_count()  # also initializes the driver
         devices = range(n) if device is None else [_cuda.checked_ordinal(device)]
         self._pools: dict[int, Any] = {}
+        self._pid, self._finalizing = os.getpid(), sys.is_finalizing  # what __del__ needs, even if this fails
         for d in devices:
             props = driver.CUmemPoolProps()
             props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -221,13 +233,25 @@ class ShareableMemoryPool:
             props.location.id = d
             err, pool = driver.cuMemPoolCreate(props)
             _cuda.check(f"creating a shareable memory pool on GPU {d}", err)
+            self._pools[d] = pool
             # Keep freed memory in the pool for the next allocation, as CuPy's pools do.
             (err,) = driver.cuMemPoolSetAttribute(
                 pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))
             _cuda.check("setting the pool's release threshold", err)
-            self._pools[d] = pool
-        self._cupy, self._runtime, self._finalizing = cupy, cupy.cuda.runtime, sys.is_finalizing
+        self._cupy, self._runtime = cupy, cupy.cuda.runtime
         self._allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, self._free)
+
+    def __del__(self) -> None:
+        # Every block holds this object (through the allocator's free), and a pin holds its array: so nothing
+        # allocated here is still in use, nor awaited by a consumer. Destroying the pools gives their memory
+        # back to the driver (they keep freed blocks otherwise), and the export's descriptor is closed before
+        # the driver can hand the pool's handle to a new pool.
+        if getattr(self, "_pid", None) != os.getpid() or self._finalizing():
+            return  # shutting down, or a forked child's copy: the driver's state is not ours to change
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            _forget_export(int(pool))
+            _driver().cuMemPoolDestroy(pool)  # frees still queued on a stream finish first
 
     def _pool(self, device: int) -> int:
         pool = self._pools.get(device)

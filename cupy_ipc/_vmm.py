@@ -29,7 +29,7 @@ from . import _cuda
 from ._errors import IpcError
 from ._wire import MAX_PIECES
 
-__all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exports_fd", "import_mapping", "is_vmm",
+__all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exports", "import_mapping", "is_vmm",
            "pieces_id", "pieces_of", "sweep", "sweep_if_grown", "unmap"]
 
 _lock = threading.Lock()
@@ -108,9 +108,14 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
     return int(fd), alloc_id
 
 
-def exports_fd(fd: int) -> bool:
-    """True when ``fd`` is the descriptor of an allocation this process exports."""
-    return fd in _by_fd
+def exports(fds: list[int], resource: int) -> bool:
+    """True when ``fds`` are the descriptors, in order, of the run of pieces this process exports as
+    ``resource`` (see :func:`pieces_id`)."""
+    with _lock:
+        ids = tuple(_by_fd.get(fd) for fd in fds)
+        if None in ids:
+            return False
+        return ids[0] == resource if len(ids) == 1 else _runs.get(ids) == resource
 
 
 # Errors that say nothing about the address (no context on this thread, a driver shutting down): keep.
@@ -190,7 +195,9 @@ def pieces_id(alloc_ids: tuple[int, ...]) -> int:
         run = _runs.get(alloc_ids)
         if run is None:
             if len(_runs) >= _RUNS_MAX:
-                _runs.clear()  # runs exported again get new ids: consumers map them anew
+                # The oldest goes (a run exported again gets a new id, mapped anew by consumers), and with it
+                # the descriptor server's knowledge of it: a handle of that run still unopened is refused.
+                del _runs[next(iter(_runs))]
             run = _runs[alloc_ids] = next(_ids)
     return run
 

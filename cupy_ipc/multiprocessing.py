@@ -25,6 +25,10 @@ An object that cannot be shared (an array of managed memory, say) raises
 background thread, which would print the error and drop the message, so the
 receiver's ``get()`` raises the error instead and later messages still arrive.
 
+A message that fails to pickle part-way (an unpicklable object after an
+array, say) never leaves, and the exports of the arrays pickled before the
+failure are released at once (the pickler's ``dump`` is wrapped for that).
+
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
 The sender's ordering event is recorded when the message is pickled, which
@@ -126,21 +130,48 @@ def _raise_received(what: str, text: str, cuda_error: str | None) -> Any:
     raise IpcError(f"the sender could not share a {what} put on this queue: {text}", cuda_error=cuda_error)
 
 
+# --- messages that fail to pickle ---------------------------------------------------
+# The exports a message makes while it is pickled (per thread, as queues pickle on a feeder thread): if a
+# later part of the message fails to pickle, the message never leaves, so no consumer will open them and
+# their pins are released at once instead of holding the memory for good.
+_in_message = threading.local()
+_plain_dump = ForkingPickler.dump
+
+
+def _dump(pickler: ForkingPickler, obj: Any) -> None:
+    outer = getattr(_in_message, "exports", None)
+    _in_message.exports = exports = []
+    try:
+        _plain_dump(pickler, obj)
+    except BaseException:
+        for h in exports:
+            h.release()
+        raise
+    finally:
+        _in_message.exports = outer
+    if outer is not None:  # pickled inside another message (by a reducer), whose failure releases these too
+        outer.extend(exports)
+
+
 # --- cupy.ndarray ----------------------------------------------------------------
 @_errors_reach_the_receiver
 def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     _warn_if_fork_default()
     h = get_ipc_handle(array)
+    exports = getattr(_in_message, "exports", None)
+    if exports is not None:
+        exports.append(h)
     if h._descriptors():
         # Memory shared by descriptor: the receiver asks this process's descriptor server for them, over a
         # Unix socket (no ptrace permission needed), only when it lacks them: a pool it imported before
         # needs nothing more than these bytes.
-        return _rebuild_ndarray, (h.to_bytes(), _fdserver.serve(_exported_fd))
+        return _rebuild_ndarray, (h.to_bytes(), _fdserver.serve(_exported))
     return _rebuild_ndarray, (h.to_bytes(),)
 
 
-def _exported_fd(fd: int) -> bool:
-    return _pools.exports_fd(fd) or _vmm.exports_fd(fd)
+def _exported(fds: list[int], resource: int) -> bool:
+    """Whether descriptors ``fds`` back the pool or the run of pieces this process exports as ``resource``."""
+    return _pools.exports(fds, resource) or _vmm.exports(fds, resource)
 
 
 def _rebuild_ndarray(data: bytes, server: bytes | None = None) -> Any:
@@ -227,6 +258,8 @@ def init_reductions() -> None:
     ForkingPickler.register(cupy.ndarray, _reduce_ndarray)
     ForkingPickler.register(IpcEvent, _reduce_ipc_event)
     ForkingPickler.register(cupy.cuda.Event, _reduce_cupy_event)
+    ForkingPickler.dump = _dump  # type: ignore[method-assign]  # every message, by Connection.send,
+    # queues (dumps) and a spawned Process's arguments (reduction.dump)
     _registered = True
 
 

@@ -48,14 +48,14 @@ def _read_line(fd: int) -> str:
 def _serve_memfd(content: bytes, w: int) -> int:
     """Serve a new memfd of ``content``; write the server's name and the descriptor's number to ``w``."""
     fd = _memfd(content)
-    name = serve(lambda n: n == fd)
+    name = serve(lambda fds, _: fds == [fd])
     os.write(w, name.hex().encode() + f" {fd}\n".encode())
     return fd
 
 
 def test_a_child_fetches_an_allowed_descriptor_and_is_refused_others():
     fd = _memfd(b"served")
-    name = serve(lambda n: n == fd)
+    name = serve(lambda fds, _: fds == [fd])
     r, w = os.pipe()
 
     def consumer() -> str:
@@ -81,7 +81,7 @@ def test_a_child_fetches_an_allowed_descriptor_and_is_refused_others():
 
 def test_several_descriptors_in_one_request():
     fds = [_memfd(f"piece {k}".encode()) for k in range(5)]
-    name = serve(lambda n: n in fds)
+    name = serve(lambda got, _: set(got) <= set(fds))
     got = fetch(name, os.getpid(), fds)
     try:
         assert [_read(g) for g in got] == [f"piece {k}".encode() for k in range(5)]
@@ -91,6 +91,25 @@ def test_several_descriptors_in_one_request():
             os.close(x)
     with pytest.raises(IpcError, match="at once"):
         fetch(name, os.getpid(), [])
+
+
+def test_a_request_without_the_servers_secret_or_for_other_memory_is_refused():
+    fd = _memfd(b"served")
+    address = serve(lambda fds, resource: fds == [fd] and resource == 42)
+    try:
+        (got,) = fetch(address, os.getpid(), [fd], 42)
+        assert _read(got) == b"served"
+        os.close(got)
+        # The socket's name is public (/proc/net/unix); the secret is not.
+        with pytest.raises(IpcError, match="no longer shares this memory"):
+            fetch(address[:-16] + bytes(16), os.getpid(), [fd], 42)
+        # The right number for other memory: a descriptor number reused since the handle left.
+        with pytest.raises(IpcError, match="no longer shares this memory"):
+            fetch(address, os.getpid(), [fd], 41)
+        with pytest.raises(IpcError, match="not a descriptor server's address"):
+            fetch(b"short", os.getpid(), [fd], 42)
+    finally:
+        os.close(fd)
 
 
 def test_a_producer_that_has_exited_is_named():
@@ -128,7 +147,7 @@ def test_a_non_dumpable_producer_serves_where_pidfd_getfd_is_refused(may_switch_
     def producer() -> str:
         _as_nobody(dumpable=0)
         fd = _memfd(b"no ptrace needed")
-        name = serve(lambda n: n == fd)
+        name = serve(lambda fds, _: fds == [fd])
         os.write(info_w, f"{os.getpid()} {fd} {name.hex()}\n".encode())
         os.read(go_r, 1)
         return "producer done"
@@ -161,7 +180,7 @@ def test_a_non_dumpable_producer_serves_where_pidfd_getfd_is_refused(may_switch_
 
 def test_another_user_is_not_served(may_switch_user):  # noqa: F811
     fd = _memfd(b"root's")
-    name = serve(lambda n: n == fd)
+    name = serve(lambda fds, _: fds == [fd])
     r, w = os.pipe()
 
     def consumer() -> str:
@@ -181,20 +200,20 @@ def test_another_user_is_not_served(may_switch_user):  # noqa: F811
 
 
 def test_a_forked_child_serves_under_its_own_name():
-    name = serve(lambda n: False)
+    name = serve(lambda *_: False)
     r, w = os.pipe()
-    pid = _child(lambda: serve(lambda n: False).hex(), pipe_out=w)
+    pid = _child(lambda: serve(lambda *_: False).hex(), pipe_out=w)
     child_name = bytes.fromhex(_read_line(r))
     os.waitpid(pid, 0)
     os.close(r)
     os.close(w)
-    assert child_name != name and serve(lambda n: False) == name
+    assert child_name != name and serve(lambda *_: False) == name
 
 
 def test_a_forked_child_hands_out_none_of_its_parents_exported_descriptors():
     # The parent's export tables name descriptors the child must not serve: it forgets them at fork.
     from cupy_ipc import _vmm
-    from cupy_ipc.multiprocessing import _exported_fd
+    from cupy_ipc.multiprocessing import _exported
 
     r, w = os.pipe()
     fd = os.dup(r)
@@ -203,8 +222,8 @@ def test_a_forked_child_hands_out_none_of_its_parents_exported_descriptors():
         _vmm._exports[-1], _vmm._by_mapping[key], _vmm._by_fd[fd] = (fd, key), -1, -1
         saved_sweep_at, _vmm._sweep_at = _vmm._sweep_at, 10_000
     try:
-        assert _exported_fd(fd)
-        pid = _child(lambda: f"{_exported_fd(fd)} {_vmm._sweep_at} {len(_vmm._exports)}", pipe_out=w)
+        assert _exported([fd], -1)
+        pid = _child(lambda: f"{_exported([fd], -1)} {_vmm._sweep_at} {len(_vmm._exports)}", pipe_out=w)
         line = _read_line(r)
         os.waitpid(pid, 0)
     finally:
@@ -224,7 +243,8 @@ def test_a_request_that_timed_out_leaves_no_answer_for_the_next(monkeypatch):
     slow, fast = _memfd(b"slow"), _memfd(b"fast")
     asked = []
 
-    def allowed(n: int) -> bool:
+    def allowed(numbers: list[int], resource: int) -> bool:
+        (n,) = numbers
         asked.append(n)
         if n == slow and asked.count(slow) == 1:
             time.sleep(1.0)
@@ -247,13 +267,13 @@ def test_a_request_that_timed_out_leaves_no_answer_for_the_next(monkeypatch):
 
 def test_descriptors_dropped_at_the_open_file_limit_are_reported():
     fd = _memfd(b"served")
-    name = serve(lambda n: n == fd)
+    name = serve(lambda fds, _: fds == [fd])
     r, w = os.pipe()
 
     def consumer() -> str:
         from cupy_ipc import _fdserver
 
-        _fdserver._connection(name, os.getppid())  # connected first: the limit is for the answer's descriptor
+        _fdserver._connection(name[:-16], os.getppid())  # connected first: the limit is for the answer's descriptor
         with _at_the_open_file_limit():
             try:
                 fetch(name, os.getppid(), [fd])
@@ -285,7 +305,7 @@ def test_the_server_outlives_a_failed_accept():
 
     def producer() -> str:
         fd = _memfd(b"later")
-        name = serve(lambda n: n == fd)
+        name = serve(lambda fds, _: fds == [fd])
         with _at_the_open_file_limit():
             os.write(w, name.hex().encode() + f" {fd}\n".encode())
             time.sleep(0.5)  # the consumer's connection waits, unaccepted
@@ -346,11 +366,11 @@ def test_a_connection_closed_under_a_request_is_replaced():
     from cupy_ipc import _fdserver
 
     fd = _memfd(b"again")
-    name = serve(lambda n: n == fd)
+    name = serve(lambda fds, _: fds == [fd])
     try:
         (got,) = fetch(name, os.getpid(), [fd])  # the connection is cached
         os.close(got)
-        _fdserver._connections[name][1].close()  # closed, still in the table
+        _fdserver._connections[name[:-16]][1].close()  # closed, still in the table
         (got,) = fetch(name, os.getpid(), [fd])
         assert _read(got) == b"again"
         os.close(got)

@@ -369,3 +369,35 @@ def test_an_array_that_cannot_be_shared_reaches_the_receiver_as_an_error():
         got = out.get(timeout=60)
         assert got.startswith("IpcError: the sender could not share a cupy.ndarray") and "managed memory" in got
         assert out.get(timeout=60)[0] == 256.0  # the next message still arrives
+
+
+def test_a_message_that_fails_to_pickle_releases_the_arrays_it_exported(ctx):
+    import time
+
+    import cupy
+
+    import cupy_ipc
+
+    a, b = cupy.ones(256, cupy.float32), cupy.zeros(256, cupy.float32)
+    before = {p.export_id for p in cupy_ipc.pinned()}
+
+    def new_pins():
+        return {p.export_id for p in cupy_ipc.pinned()} - before
+
+    send, _ = ctx.Pipe()
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        send.send((a, b, lambda: 0))  # a lambda cannot be pickled: the message never leaves
+    assert not new_pins()
+    # A queue pickles on its feeder thread, which reports the error and drops the message.
+    q = ctx.Queue()
+    q.put([a, lambda: 0])
+    q.put(b)  # after the failed one: once it arrives, the feeder is done with that
+    got = q.get(timeout=30)
+    assert got.data.ptr == b.data.ptr and float(got.sum()) == 0
+    del got  # its own export ends once this view is gone
+    deadline = time.monotonic() + 10
+    while new_pins() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not new_pins()
+    q.close()
+    q.join_thread()

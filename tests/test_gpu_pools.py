@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from workers import open_fds
+
 pytestmark = pytest.mark.gpu
 
 N = 1 << 16
@@ -196,3 +198,37 @@ def test_two_pools_keep_their_own_blocks_and_leave_the_devices_current_pool_alon
     cupy.cuda.get_current_stream().synchronize()
     first.free_all_blocks()
     assert first.used_bytes() == 0
+
+
+def test_a_dropped_pool_gives_its_memory_and_its_descriptor_back():
+    import gc
+    import weakref
+
+    import cupy
+    from cupy.cuda import runtime
+
+    import cupy_ipc
+    from cupy_ipc import _pools
+
+    cupy.cuda.Device(0).use()
+    fds, free = open_fds(), runtime.memGetInfo()[0]
+    pool = cupy_ipc.ShareableMemoryPool(device=0)
+    with cupy.cuda.using_allocator(pool.malloc):
+        a = cupy.ones(64 << 20, cupy.float32)  # 256 MiB
+    h = cupy_ipc.get_ipc_handle(a)  # exports the pool: a descriptor of it opens here
+    handle = pool.handles[0]
+    assert handle in _pools._exports and open_fds() > fds
+    h.release()
+    del a, h
+    cupy.cuda.get_current_stream().synchronize()
+    assert pool.used_bytes() == 0 and pool.total_bytes() >= 256 << 20  # freed blocks stay in the pool
+    assert runtime.memGetInfo()[0] <= free - (256 << 20)
+    gone = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert gone() is None
+    assert handle not in _pools._exports and open_fds() == fds
+    assert runtime.memGetInfo()[0] >= free - (32 << 20)  # back to the driver
+    # A new pool (the driver may give it the old handle's value) exports and opens as usual.
+    pool, b = _shareable()
+    assert float(cupy_ipc.get_ipc_handle(b).open().sum()) == _expected_sum()

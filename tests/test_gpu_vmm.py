@@ -139,6 +139,43 @@ def test_the_producer_closes_descriptors_of_freed_allocations(remote):
     assert fds() == mid
 
 
+def test_a_handle_whose_descriptor_number_went_to_other_memory_is_refused(remote):
+    # Without keep-alive the producer may free the memory once the handle has left, close its descriptor, and
+    # the kernel gives the number to the next export: a consumer asking for the old handle's number must not
+    # be handed the new memory.
+    import gc
+
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _fdserver
+    from cupy_ipc.multiprocessing import _exported
+
+    from workers import vmm_array
+
+    consumer = remote()
+    address = _fdserver.serve(_exported)
+    old = cupy_ipc.get_ipc_handle(vmm_array(N), keepalive=False, sync=False)  # the array is gone at once
+    data, number = old.to_bytes(), old._f.fd
+    del old
+    gc.collect()
+    cupy.cuda.runtime.deviceSynchronize()
+    cupy_ipc.collect()  # closes the freed allocation's descriptor
+    kept = []
+    for _ in range(64):  # each export takes the lowest free number: one of them gets the old one
+        b = vmm_array(N)
+        b += 1
+        kept.append(b)
+        new = cupy_ipc.get_ipc_handle(b, keepalive=False, sync=False)
+        if new._f.fd == number:
+            break
+    else:
+        pytest.fail(f"no export got descriptor number {number} again")
+    cupy.cuda.runtime.deviceSynchronize()
+    assert "no longer shares this memory" in consumer.call("open_served", data, address)
+    assert consumer.call("open_served", new.to_bytes(), address) == pytest.approx(EXPECTED + N, rel=1e-6)
+
+
 def test_descriptors_of_freed_allocations_stay_bounded_between_collects(remote):
     # Exports sweep only once the descriptors kept have doubled (64 at least): never more are open.
     import cupy_ipc

@@ -32,6 +32,7 @@ def test_registration_is_idempotent_and_only_for_multiprocessing():
     assert reducers[cupy.ndarray] is mp._reduce_ndarray
     assert reducers[cupy.cuda.Event] is mp._reduce_cupy_event
     assert reducers[cupy_ipc.IpcEvent] is mp._reduce_ipc_event
+    assert multiprocessing.reduction.ForkingPickler.dump is mp._dump
     assert cupy.ndarray not in copyreg.dispatch_table  # what pickle.dumps consults
 
 
@@ -76,12 +77,16 @@ def _refuse(obj: _Unshareable) -> None:
     raise cupy_ipc.IpcError("this memory is managed memory, which CUDA cannot share", cuda_error="cudaErrorX")
 
 
+def _registered(cls: type, reducer: object):
+    """Register ``reducer`` for ``cls`` with multiprocessing's pickler for one test."""
+    multiprocessing.reduction.ForkingPickler.register(cls, reducer)
+    yield
+    multiprocessing.reduction.ForkingPickler._extra_reducers.pop(cls, None)
+
+
 @pytest.fixture
 def unshareable():
-    reducers = multiprocessing.reduction.ForkingPickler._extra_reducers
-    multiprocessing.reduction.ForkingPickler.register(_Unshareable, _refuse)
-    yield
-    reducers.pop(_Unshareable, None)
+    yield from _registered(_Unshareable, _refuse)
 
 
 def test_a_refusal_on_a_queues_feeder_thread_reaches_the_receiver(unshareable):
@@ -113,3 +118,49 @@ def test_a_refusal_in_a_process_pool_fails_the_task_and_keeps_the_pool(unshareab
         with pytest.raises(cupy_ipc.IpcError, match="managed memory"):
             failed.result(60)
         assert ex.submit(len, [1, 2, 3]).result(60) == 3
+
+
+class _Exported:
+    """Stands for an array whose reducer exported it (no GPU needed): records whether it was released."""
+
+    def __init__(self) -> None:
+        self.released = False
+
+    def release(self) -> None:
+        self.released = True
+
+
+def _reduce_exported(obj: _Exported) -> tuple[type, tuple[()]]:
+    mp._in_message.exports.append(obj)  # what _reduce_ndarray does with its handle
+    return list, ()
+
+
+class _Nested:
+    """Pickles its content as a message of its own, as a reducer that pickles a part itself does."""
+
+    def __init__(self, content: object) -> None:
+        self.content = content
+
+    def __reduce__(self) -> tuple[type, tuple[bytes]]:
+        return bytes, (bytes(multiprocessing.reduction.ForkingPickler.dumps(self.content)),)
+
+
+@pytest.fixture
+def exported():
+    yield from _registered(_Exported, _reduce_exported)
+
+
+def test_a_message_that_fails_to_pickle_releases_its_exports(exported):
+    dumps = multiprocessing.reduction.ForkingPickler.dumps
+    sent = _Exported()
+    dumps([sent, 1])
+    assert not sent.released  # delivered: the consumer's opens end it
+    first, second = _Exported(), _Exported()
+    with pytest.raises((AttributeError, TypeError, multiprocessing.reduction.pickle.PicklingError)):
+        dumps([first, _Nested([second]), lambda: 0])  # the lambda fails after both were exported
+    assert first.released and second.released  # including the one a nested message exported
+    inner = _Exported()
+    with pytest.raises((AttributeError, TypeError, multiprocessing.reduction.pickle.PicklingError)):
+        dumps(_Nested([inner, lambda: 0]))
+    assert inner.released
+    assert getattr(mp._in_message, "exports", None) is None  # nothing left over for the next message

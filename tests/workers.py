@@ -600,6 +600,20 @@ def free_vmm_while_busy(n: int) -> str:
     return "ok"
 
 
+def open_served(data: bytes, server: bytes) -> float | str:
+    """Open handle bytes whose descriptors come from the producer's descriptor server at ``server``: the
+    array's sum, or the error's text."""
+    import cupy_ipc
+
+    h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+    h._ask_producer(server)
+    try:
+        with h as a:
+            return float(a.sum())
+    except cupy_ipc.IpcError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def vmm_producer(n: int) -> bytes:
     """Keep ``n`` float32 of virtual memory here; the handle's bytes."""
     import cupy_ipc
