@@ -260,7 +260,9 @@ def validate_layout(f: ArrayFields) -> None:
             raise HandleError(f"{len(f.more) + 1} pieces; at most {MAX_PIECES + 1} are allowed")
         if any(fd < 0 or size <= 0 for fd, size in f.more) or sum(size for _, size in f.more) >= f.allocation_size:
             raise HandleError("the pieces' descriptors or sizes do not fit the allocation size")
-    align = f.dtype.alignment
+    # A complex element is read whole: CuPy's kernels use cuda::std::complex, aligned to its size (NumPy's
+    # alignment is its parts'), and a misaligned read faults, which ends the consumer's CUDA context.
+    align = f.dtype.itemsize if f.dtype.kind == "c" else f.dtype.alignment
     offset = f.offset
     lo, hi, misaligned = _reach(shape, strides, align)
     if misaligned or offset % align:
