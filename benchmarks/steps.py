@@ -5,8 +5,10 @@ spawned consumer, which opens it, reads one element, closes it and answers with
 how long each of its steps took. Both sides also time named library functions
 (wrapped for the run), summed per message. Printed: the median per step and
 function, for each method (``raw`` calls, ``cupy_ipc`` with safety on,
-``cupy_ipc-unsafe`` with it off, and ``pool``: arrays of a
-``ShareableMemoryPool``, safety on) and for fresh and re-sent buffers.
+``cupy_ipc-unsafe`` with it off, ``pool``: arrays of a
+``ShareableMemoryPool``, safety on, and ``torch``: a CUDA tensor pickled as
+``torch.multiprocessing`` does, when PyTorch is there) and for fresh and
+re-sent buffers.
 
 ``--profile`` runs each side's library calls under ``cProfile`` instead of
 the step timers and prints, per method and side, the Python calls made per
@@ -31,7 +33,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from roundtrip import close_raw, free_buffers, fresh_buffer, new_buffer, open_raw, raw_handle  # noqa: E402
+from roundtrip import (  # noqa: E402 - the benchmark modules sit next to this script
+    available,
+    close_raw,
+    free_buffers,
+    fresh_buffer,
+    new_buffer,
+    open_raw,
+    raw_handle,
+)
 
 PRODUCER = ("_array_handle._template", "_array_handle._memory_handle", "_cuda.legacy_info", "_cuda.pointer_info",
             "_array_handle.validate_layout", "_array_handle.pack_array", "_array_handle._ById.set",
@@ -43,8 +53,10 @@ CONSUMER = ("_array_handle.unpack_array", "_array_handle.check_same_host", "_cud
             "_events.IpcEvent.query", "_events.IpcEvent.wait_from", "_mapping._release", "_cuda.stream_idle",
             "_mapping._finish", "_mapping._drop_user", "_mapping._Mapping.unmap", "_mapping._unclaim",
             "_mapping._trim_idle", "_pools.import_pointer", "_pools.free_imported")
-# get_ipc_handle's options by method (None: raw runtime calls); "pool": arrays of a ShareableMemoryPool.
-METHODS = {"raw": None, "cupy_ipc": {}, "cupy_ipc-unsafe": {"sync": False, "keepalive": False}, "pool": {}}
+# get_ipc_handle's options by method (None: raw runtime calls or torch's pickling); "pool": arrays of a
+# ShareableMemoryPool.
+METHODS = {"raw": None, "cupy_ipc": {}, "cupy_ipc-unsafe": {"sync": False, "keepalive": False}, "pool": {},
+           "torch": None}
 
 
 def instrument(names: tuple[str, ...]) -> "collections.Counter[str]":
@@ -152,6 +164,12 @@ def _consume(method: str, data: bytes, nbytes: int, resent: bool, mapped: dict[b
 
     if method == "raw":
         arr, ptr = open_raw(data, nbytes, resent, mapped)
+    elif method == "torch":
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch  # noqa: F401 - registers its reductions
+
+        arr = ForkingPickler.loads(data)  # maps the tensor (its handle cached by torch when re-sent)
     else:
         h = IpcArrayHandle.from_bytes(data)
         lap("parse")
@@ -165,6 +183,8 @@ def _consume(method: str, data: bytes, nbytes: int, resent: bool, mapped: dict[b
     if method == "raw":
         del arr
         close_raw(ptr, resent)
+    elif method == "torch":
+        del arr  # torch's own release: a count in shared memory the producer reads
     else:
         h.close()
         del arr
@@ -189,6 +209,8 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
     out: dict[tuple[str, bool], dict[str, list[float]]] = {}
     try:
         for method, options in METHODS.items():
+            if not available(method):
+                continue
             for resent in (False, True):
                 rows: dict[str, list[float]] = collections.defaultdict(list)
                 arr = new_buffer(method, nbytes, 1)  # "pool": of a ShareableMemoryPool, else CuPy's pool
@@ -198,7 +220,11 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
                         arr = fresh_buffer(method, nbytes)  # synchronized for the variant without ordering
                     spent.clear()
                     t0 = time.perf_counter_ns()
-                    if options is None:
+                    if method == "torch":
+                        from multiprocessing.reduction import ForkingPickler
+
+                        data = bytes(ForkingPickler.dumps(arr))
+                    elif options is None:
                         data = raw_handle(arr, resent, cache)
                     else:
                         with profiles((method, resent)):
