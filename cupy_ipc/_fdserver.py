@@ -215,7 +215,8 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
         lock, sock = _connection(name, pid)
         try:
             with lock:
-                sock.sendall(_REQUEST.pack(secret, len(numbers), resource) + struct.pack(f"<{len(numbers)}i", *numbers))
+                request = _REQUEST.pack(secret, len(numbers), resource) + struct.pack(f"<{len(numbers)}i", *numbers)
+                sock.sendall(request)
                 head, fds, flags, _ = socket.recv_fds(sock, _COUNT.size, _MAX)
         except BaseException as e:
             # Interrupted or failed between request and answer: an answer may still come, for the next

@@ -145,7 +145,10 @@ def _dump(pickler: ForkingPickler, obj: Any) -> None:
         _plain_dump(pickler, obj)
     except BaseException:
         for h in exports:
-            h.release()
+            try:
+                h.release()
+            except Exception:  # noqa: BLE001 - the pickling error is the one to raise
+                pass
         raise
     finally:
         _in_message.exports = outer
