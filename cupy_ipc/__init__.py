@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from . import _events, _keepalive, _mapping, _vmm
+from . import _events, _keepalive, _mapping, _pools, _vmm
 from ._array_handle import IpcArrayHandle, OpenInfo, get_ipc_handle, open_info
 from ._descriptors import allow_ptrace_from_any, recv_handle, send_handle
 from ._errors import ClosedError, HandleError, IpcError, ProducerExitedError
@@ -67,7 +67,8 @@ def collect() -> None:
     """Free what is no longer needed, now.
 
     In a producer: end the pins of exports whose consumers are done. In a
-    consumer: unmap idle mappings and destroy cached producer events.
+    consumer: unmap idle mappings, destroy cached producer events, and let
+    go of the pools imported from producers that have exited.
 
     Example:
         >>> import cupy_ipc
@@ -77,6 +78,7 @@ def collect() -> None:
     _vmm.sweep()
     _mapping.collect_idle()
     _events.drop_cached()
+    _pools.release_exited()
 
 
 def pinned() -> list[PinInfo]:

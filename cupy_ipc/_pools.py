@@ -18,18 +18,23 @@ import threading
 from typing import Any, Callable
 
 from . import _cuda
-from ._errors import IpcError
+from ._errors import IpcError, ProducerExitedError
 
-__all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received_fd", "send_on",
-           "ShareableMemoryPool"]
+__all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received_fd", "release_exited",
+           "send_on", "ShareableMemoryPool"]
 
 EXPORT_BYTES = 64
 _lock = threading.Lock()
 _ids = itertools.count(1)
 # producer: pool handle -> (descriptor, pool id); also pools imported here whose allocations it sends on
 _exports: dict[int, tuple[int, int]] = {}
-_imports: dict[tuple[bytes, int], tuple[Any, int]] = {}  # consumer: (producer token, pool id) -> (pool, descriptor)
+# consumer: (producer token, pool id) -> (pool, descriptor, producer pid)
+_imports: dict[tuple[bytes, int], tuple[Any, int, int]] = {}
 _access: set[tuple[int, int]] = set()  # consumer: (pool handle, device) given read/write access
+# consumer: pointers imported from each pool and not freed yet (or being imported), and each one's pool:
+# a pool with none, whose producer has exited, is let go (see release_exited).
+_live: dict[tuple[bytes, int], int] = {}
+_pointer_pool: dict[int, tuple[bytes, int]] = {}
 
 NOT_SHAREABLE = (
     "this memory comes from a stream-ordered pool (cudaMallocAsync) created without a shareable handle type "
@@ -88,7 +93,7 @@ def send_on(token: bytes, pool_id: int) -> tuple[int, int]:
         hit = _imports.get((token, pool_id))
         if hit is None:
             raise IpcError("this process no longer holds the pool this array was allocated from")
-        pool, fd = hit
+        pool, fd, _ = hit
         own = _exports.get(int(pool))
         if own is None:
             own = _exports[int(pool)] = (fd, next(_ids))
@@ -117,16 +122,29 @@ def received_fd(token: bytes, pool_id: int) -> int | None:
     return hit[1] if hit else None
 
 
+def _live_change(key: tuple[bytes, int], n: int) -> None:
+    # Under _lock.
+    left = _live.get(key, 0) + n
+    if left:
+        _live[key] = left
+    else:
+        del _live[key]
+
+
 def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
                    descriptors: Callable[[], tuple[int, ...] | None]) -> Any:
+    """The pool, imported once per process, counted as in use (by the pointer about to be imported) until
+    :func:`free_imported` or ``_live_change(key, -1)``."""
     from ._descriptors import take_fd
 
     driver = _driver()
     key = (token, pool_id)
     with _lock:
         hit = _imports.get(key)
-    if hit is not None:  # imported once per process: the descriptor need not cross again
-        return hit[0]
+        if hit is not None:  # imported once per process: the descriptor need not cross again
+            _live_change(key, 1)
+            return hit[0]
+    release_exited()  # a new producer's pool: a good time to let go of those whose producers have exited
     given = descriptors()
     fd = given[0] if given else take_fd(pid, fd_number)
     for extra in (given or ())[1:]:
@@ -136,13 +154,45 @@ def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
         os.close(fd)
         _cuda.check("importing the producer's memory pool", err)
     with _lock:
+        _live_change(key, 1)
         hit = _imports.get(key)
         if hit is None:
             # Kept open: a handle sent on from here carries it (SCM_RIGHTS).
-            _imports[key] = (pool, fd)
+            _imports[key] = (pool, fd, pid)
             return pool
     os.close(fd)  # another thread imported the pool meanwhile: its descriptor is the one kept
     return hit[0]
+
+
+def release_exited() -> int:
+    """Let go of the pools imported from producers that have exited, where nothing of them is mapped any
+    more (arrays and idle mappings gone): their descriptors close and the driver releases them. Returns
+    how many."""
+    from ._segment import attach
+
+    with _lock:
+        unused = [(key, hit) for key, hit in _imports.items() if key not in _live]
+    exited = []
+    for key, hit in unused:
+        try:
+            attach(key[0], hit[2])  # by the producer's segment, which a reused pid cannot fool
+        except ProducerExitedError:
+            exited.append((key, hit))
+    gone = []
+    with _lock:
+        for key, hit in exited:
+            if key in _live or _imports.get(key) is not hit:  # a pointer was imported meanwhile
+                continue
+            del _imports[key]
+            pool = int(hit[0])
+            if _exports.get(pool, (None,))[0] == hit[1]:  # sent on from here, under an id of ours
+                del _exports[pool]
+            _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
+            gone.append(hit)
+    for pool, fd, _ in gone:
+        os.close(fd)
+        _driver().cuMemPoolDestroy(pool)
+    return len(gone)
 
 
 def _give_access(pool: Any, device: int, home: int) -> None:
@@ -164,12 +214,20 @@ def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tup
     runtime = _cuda.rt()
     driver = _driver()
     runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
+    key = (f.producer.token, f.resource)
     pool = _imported_pool(f.producer.token, f.resource, f.producer.pid, f.fd, descriptors)
-    _give_access(pool, device, home)
-    data = driver.CUmemPoolPtrExportData()
-    ctypes.memmove(data.getPtr(), f.memory_handle, EXPORT_BYTES)
-    err, ptr = driver.cuMemPoolImportPointer(pool, data)
-    _cuda.check("importing the pool allocation", err)
+    try:
+        _give_access(pool, device, home)
+        data = driver.CUmemPoolPtrExportData()
+        ctypes.memmove(data.getPtr(), f.memory_handle, EXPORT_BYTES)
+        err, ptr = driver.cuMemPoolImportPointer(pool, data)
+        _cuda.check("importing the pool allocation", err)
+    except BaseException:
+        with _lock:
+            _live_change(key, -1)
+        raise
+    with _lock:
+        _pointer_pool[int(ptr)] = key
     return int(ptr)
 
 
@@ -177,16 +235,22 @@ def free_imported(ptr: int) -> None:
     """Unmap an imported pool allocation (the producer may free it once every importer has)."""
     (err,) = _driver().cuMemFree(ptr)
     _cuda.check("freeing the imported pool allocation", err)
+    with _lock:
+        key = _pointer_pool.pop(ptr, None)
+        if key is not None:
+            _live_change(key, -1)
 
 
 def forget() -> None:
     """After fork: the parent's descriptors and imports are not this process's to use."""
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the fork
-    fds = {fd for fd, _ in _exports.values()} | {fd for _, fd in _imports.values()}
+    fds = {fd for fd, _ in _exports.values()} | {fd for _, fd, _ in _imports.values()}
     _exports.clear()
     _imports.clear()
     _access.clear()
+    _live.clear()
+    _pointer_pool.clear()
     for fd in fds:  # this process's copies: the parent's stay open
         try:
             os.close(fd)

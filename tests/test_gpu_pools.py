@@ -132,6 +132,26 @@ def test_consumer_keeps_reading_after_the_producer_is_killed(remote):
     del a
 
 
+def test_a_consumer_lets_go_of_the_pool_of_a_producer_that_exited_once_it_maps_nothing_of_it(remote):
+    consumer, first, second, third = remote(), remote(), remote(), remote()
+    # A pool of a live producer first: CUDA's own descriptors are open before the count below.
+    assert consumer.call("open_pool_bytes", second.call("pool_producer", N))["sum"] == _expected_sum()
+    before = consumer.call("collect_pools")
+    consumer.call("hold", first.call("pool_producer", N, 3.0), "a")
+    first.kill()
+    time.sleep(0.5)
+    held = consumer.call("collect_pools")  # an array of the pool is alive: the pool stays
+    assert held["pools_imported"] == before["pools_imported"] + 1
+    np.testing.assert_array_equal(consumer.call("read_held", "a")[:3], [3.0, 4.0, 5.0])
+    consumer.call("drop", "a")
+    after = consumer.call("collect_pools")  # nothing mapped any more, and the producer is gone
+    assert after == before  # the pool's descriptor is closed; the live producer's pool stays
+    # A new producer's pool imports as before, with the access the import gives (a pool handle let go may
+    # be the driver's value for the new one).
+    r = consumer.call("open_pool_bytes", third.call("pool_producer", N, 1.0))
+    assert r["sum"] == _expected_sum(offset=1.0) and r["pools_imported"] == before["pools_imported"] + 1
+
+
 def test_a_pool_without_a_shareable_handle_type_is_refused_with_advice():
     import cupy
 

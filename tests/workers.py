@@ -523,6 +523,16 @@ def open_pool_bytes(data: bytes) -> dict[str, Any]:
     return {"kind": h.kind, "sum": total, "pools_imported": len(_pools._imports)}
 
 
+def collect_pools() -> dict[str, int]:
+    """``cupy_ipc.collect()`` after a garbage collection; the pools imported after it, and the descriptors."""
+    import cupy_ipc
+    from cupy_ipc import _pools
+
+    gc.collect()
+    cupy_ipc.collect()
+    return {"pools_imported": len(_pools._imports), "fds": open_fds()}
+
+
 def recv_pool_handle(sock: Any) -> dict[str, Any]:
     """Receive a handle and its descriptor over a Unix socket, and open it."""
     import cupy_ipc
