@@ -11,6 +11,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from . import _cuda, _fdserver, _fork, _keepalive, _mapping, _pools, _segment, _vmm
+from ._descriptors import close_quietly
 from ._errors import HandleError, IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
@@ -488,10 +489,7 @@ class IpcArrayHandle:
 
     def _close_fds(self) -> None:
         for fd in getattr(self, "_fd", None) or ():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            close_quietly(fd)
 
     def __del__(self) -> None:
         self._close_fds()

@@ -21,13 +21,21 @@ from typing import Any
 
 from ._errors import IpcError, ProducerExitedError
 
-__all__ = ["allow_ptrace_from_any", "ptrace_scope", "recv_handle", "send_handle", "take_fd"]
+__all__ = ["allow_ptrace_from_any", "close_quietly", "ptrace_scope", "recv_handle", "send_handle", "take_fd"]
 
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture Linux has
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _HEAD = struct.Struct("<II")  # handle bytes, descriptors
 _FDS_PER_MESSAGE = 253  # SCM_MAX_FD
+
+
+def close_quietly(fd: int) -> None:
+    """Close ``fd``, which may already be closed (a copy after fork, a descriptor another path closed)."""
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _libc() -> Any:

@@ -17,7 +17,8 @@ import sys
 import threading
 from typing import Any, Callable
 
-from . import _cuda
+from . import _cuda, _segment
+from ._descriptors import close_quietly
 from ._errors import IpcError, ProducerExitedError
 
 __all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received_fd", "release_exited",
@@ -80,10 +81,7 @@ def _forget_export(pool: int) -> None:
     with _lock:
         hit = _exports.pop(pool, None)
     if hit is not None:
-        try:
-            os.close(hit[0])
-        except OSError:
-            pass
+        close_quietly(hit[0])
 
 
 def send_on(token: bytes, pool_id: int) -> tuple[int, int]:
@@ -168,14 +166,12 @@ def release_exited() -> int:
     """Let go of the pools imported from producers that have exited, where nothing of them is mapped any
     more (arrays and idle mappings gone): their descriptors close and the driver releases them. Returns
     how many."""
-    from ._segment import attach
-
     with _lock:
         unused = [(key, hit) for key, hit in _imports.items() if key not in _live]
     exited = []
     for key, hit in unused:
         try:
-            attach(key[0], hit[2])  # by the producer's segment, which a reused pid cannot fool
+            _segment.attach(key[0], hit[2])  # by the producer's segment, which a reused pid cannot fool
         except ProducerExitedError:
             exited.append((key, hit))
     gone = []
@@ -252,10 +248,7 @@ def forget() -> None:
     _live.clear()
     _pointer_pool.clear()
     for fd in fds:  # this process's copies: the parent's stay open
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+        close_quietly(fd)
 
 
 class ShareableMemoryPool:

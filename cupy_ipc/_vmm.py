@@ -26,6 +26,7 @@ import warnings
 from typing import Any
 
 from . import _cuda
+from ._descriptors import close_quietly
 from ._errors import IpcError
 from ._wire import MAX_PIECES
 
@@ -256,13 +257,6 @@ def _close(fds: list[int]) -> None:
             os.close(fd)
 
 
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
 def _map_and_release(handles: list[tuple[Any, int]], device: int) -> int:
     """Map allocations ``(handle, size)``, in order, at new contiguous addresses readable and writable by
     ``device``; the handles are released (the mappings hold the memory). Returns the first address."""
@@ -326,7 +320,7 @@ def forget() -> None:
     _by_fd.clear()
     _kept.clear()
     for fd in fds:  # this process's copies: the parent's stay open
-        _close_quietly(fd)
+        close_quietly(fd)
     _sweep_at = _SWEEP_FLOOR
 
 
