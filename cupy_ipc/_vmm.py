@@ -47,7 +47,8 @@ _by_mapping: dict[_Key, int] = {}
 _by_fd: dict[int, int] = {}  # descriptor -> allocation id: the descriptor server checks a request in O(1) per number
 # producer: an id for each run of pieces that exports share (see pieces_id), never reused.
 _runs: dict[tuple[int, ...], int] = {}
-_RUNS_MAX = 4096
+_RUNS_FLOOR = 4096  # runs kept before those with a piece no longer exported are looked for
+_runs_prune_at = _RUNS_FLOOR
 # consumer: the descriptor each piece mapped by import_mapping was imported from, by the piece's address,
 # until export() adopts it (an imported allocation cannot be exported again) or unmap() closes it.
 _kept: dict[int, int] = {}
@@ -195,12 +196,24 @@ def pieces_id(alloc_ids: tuple[int, ...]) -> int:
     with _lock:
         run = _runs.get(alloc_ids)
         if run is None:
-            if len(_runs) >= _RUNS_MAX:
-                # The oldest goes (a run exported again gets a new id, mapped anew by consumers), and with it
-                # the descriptor server's knowledge of it: a handle of that run still unopened is refused.
-                del _runs[next(iter(_runs))]
+            if len(_runs) >= _runs_prune_at:
+                _prune_runs()
             run = _runs[alloc_ids] = next(_ids)
     return run
+
+
+def _prune_runs() -> None:
+    """Forget the runs with a piece no longer exported; looked for again once the table has doubled (amortized).
+
+    Only those: the descriptor server checks a request against this table, so a handle of a run whose pieces
+    all live is served however many runs were exported after it; one with a piece gone is refused anyway (its
+    descriptor is closed), and allocation ids are never reused, so a forgotten run never comes back. The
+    caller holds ``_lock``.
+    """
+    global _runs_prune_at
+    for ids in [ids for ids in _runs if not all(a in _exports for a in ids)]:
+        del _runs[ids]
+    _runs_prune_at = max(_RUNS_FLOOR, 2 * len(_runs))
 
 
 def pieces_of(f: Any) -> list[tuple[int, int]]:
@@ -311,7 +324,7 @@ def unmap(ptr: int, sizes: list[int]) -> None:
 
 def forget() -> None:
     """After fork: the parent's descriptors are not this process's to hand out."""
-    global _sweep_at, _lock
+    global _sweep_at, _lock, _runs_prune_at
     _lock = threading.Lock()  # another thread may have held it at the fork
     fds = {fd for fd, _ in _exports.values()} | set(_kept.values())
     _exports.clear()
@@ -322,6 +335,7 @@ def forget() -> None:
     for fd in fds:  # this process's copies: the parent's stay open
         close_quietly(fd)
     _sweep_at = _SWEEP_FLOOR
+    _runs_prune_at = _RUNS_FLOOR
 
 
 class _Owner:

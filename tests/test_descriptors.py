@@ -267,6 +267,28 @@ def test_a_run_of_virtual_memory_pieces_has_one_id_never_given_to_another_run():
     assert _vmm.pieces_id((a, b)) not in (a, b, c, run, other)
 
 
+def test_the_run_table_forgets_only_runs_with_a_piece_no_longer_exported(monkeypatch):
+    # The descriptor server serves a run only while this table knows it: a run whose pieces are all still
+    # exported keeps its id however many runs come after it; runs with a piece gone are dropped once the
+    # table reaches its bound, which then follows what is left.
+    from cupy_ipc import _vmm
+
+    monkeypatch.setattr(_vmm, "_runs", {})
+    monkeypatch.setattr(_vmm, "_RUNS_FLOOR", 4)
+    monkeypatch.setattr(_vmm, "_runs_prune_at", 4)
+    live = [next(_vmm._ids) for _ in range(6)]
+    monkeypatch.setattr(_vmm, "_exports", {a: (-1, None) for a in live})  # exported: the sweep has not closed them
+    waiting = _vmm.pieces_id((live[0], live[1]))
+    for _ in range(40):  # runs of allocations no longer exported
+        _vmm.pieces_id((next(_vmm._ids), next(_vmm._ids)))
+        assert len(_vmm._runs) <= 4
+    assert _vmm._runs[(live[0], live[1])] == waiting
+    held = [_vmm.pieces_id((live[k], live[k + 1])) for k in range(1, 5)]  # four more live runs: all kept
+    assert _vmm.pieces_id((live[0], live[1])) == waiting
+    assert [_vmm._runs[(live[k], live[k + 1])] for k in range(1, 5)] == held
+    assert _vmm._runs_prune_at >= len(_vmm._runs)
+
+
 def test_descriptors_dropped_at_the_open_file_limit_are_reported_and_the_next_handle_is_whole():
     # The kernel drops descriptors a receiver at its limit cannot take (MSG_CTRUNC): recv_handle says so, and
     # reads no further than that handle's messages, so the next handle comes with its own descriptor.

@@ -176,6 +176,45 @@ def test_a_handle_whose_descriptor_number_went_to_other_memory_is_refused(remote
     assert consumer.call("open_served", new.to_bytes(), address) == pytest.approx(EXPECTED + N, rel=1e-6)
 
 
+def test_a_waiting_handle_of_several_pieces_is_served_however_many_runs_are_exported_after_it(remote, monkeypatch):
+    # The descriptor server knows a run of pieces by the producer's run table; with that table bounded at
+    # two runs, two more runs exported while the first handle waits must not make the server refuse it.
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _fdserver, _vmm
+    from cupy_ipc.multiprocessing import _exported
+
+    from workers import vmm_array
+
+    monkeypatch.setattr(_vmm, "_runs", {})  # this test's runs only
+    monkeypatch.setattr(_vmm, "_RUNS_FLOOR", 2)
+    monkeypatch.setattr(_vmm, "_runs_prune_at", 2)
+    consumer = remote()
+    address = _fdserver.serve(_exported)
+    arrays = [vmm_array(2 * N, pieces=2) for _ in range(3)]
+    handles = [cupy_ipc.get_ipc_handle(a) for a in arrays]  # the first waits while the others are exported
+    assert all(len(h._f.more) == 1 for h in handles)  # runs of two pieces each
+    assert len({h._f.resource for h in handles}) == 3 and len(_vmm._runs) == 3
+    cupy.cuda.runtime.deviceSynchronize()
+    total = float(np.arange(2 * N, dtype=np.float64).sum())
+    assert consumer.call("open_served", handles[0].to_bytes(), address) == pytest.approx(total, rel=1e-6)
+    # A run with a piece freed goes at the next prune (the table holds 3 of a bound of 4 now); the live ones
+    # stay.
+    gone = handles[1]._f.resource
+    handles.pop(1).release()  # unopened: its pin ends, and the memory goes with the array
+    del arrays[1]
+    cupy_ipc.collect()  # the sweep closes the freed pieces' descriptors
+    assert gone in _vmm._runs.values()
+    arrays += [vmm_array(2 * N, pieces=2) for _ in range(2)]
+    handles += [cupy_ipc.get_ipc_handle(a) for a in arrays[-2:]]
+    assert gone not in _vmm._runs.values()
+    assert {h._f.resource for h in handles} <= set(_vmm._runs.values())
+    assert consumer.call("open_served", handles[1].to_bytes(), address) == pytest.approx(total, rel=1e-6)
+    for h in handles:
+        h.release()
+
+
 def test_descriptors_of_freed_allocations_stay_bounded_between_collects(remote):
     # Exports sweep only once the descriptors kept have doubled (64 at least): never more are open.
     import cupy_ipc
