@@ -271,7 +271,8 @@ def get_ipc_handle(
         An immutable, picklable :class:`IpcArrayHandle`.
 
     Raises:
-        TypeError: ``array`` is not a GPU array.
+        TypeError: ``array`` is not a GPU array, or ``lease`` not a number.
+        ValueError: ``consumers`` or ``lease`` is not positive.
         HandleError: Its dtype cannot be shared.
         IpcError: Its memory cannot be shared (managed, host, pool or
             virtual-memory allocations), or a CUDA call failed.
@@ -286,8 +287,7 @@ def get_ipc_handle(
     _fork.check()
     if consumers < 1:
         raise ValueError("consumers must be at least 1")
-    if lease is not None and lease <= 0:
-        raise ValueError("lease must be a positive number of seconds")
+    lease = _keepalive.checked_lease(lease)
     arr = _as_cupy(array)
     if arr.size == 0:
         device = arr.data.device_id

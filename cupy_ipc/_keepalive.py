@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import numbers
 import os
 import threading
 import time
@@ -34,7 +35,7 @@ from ._events import IpcEvent
 from ._identity import this_process
 from ._segment import ONE_CONSUMER, PINNED, REVOKED
 
-__all__ = ["PinInfo", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
+__all__ = ["PinInfo", "checked_lease", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
 
 
 class PinInfo(NamedTuple):
@@ -132,13 +133,42 @@ _keeper: threading.Thread | None = None
 
 
 def _watch(deadline: float, export_id: int) -> None:
+    # The caller holds _lock. The heap keeps the deadlines of pins that ended before their lease: dropped
+    # once they outnumber the live pins (amortized), so that leased messages on a busy queue do not pile up.
     global _keeper
     with _leases_changed:
+        if len(_leases) >= 2 * len(_pins) + 64:
+            _leases[:] = [entry for entry in _leases if entry[1] in _pins]
+            heapq.heapify(_leases)
         heapq.heappush(_leases, (deadline, export_id))
         if _keeper is None:
             _keeper = threading.Thread(target=_keep_leases, name="cupy_ipc-leases", daemon=True)
             _keeper.start()
-        _leases_changed.notify()
+        if _leases[0][1] == export_id:  # else the keeper waits for an earlier deadline: no need to wake it
+            _leases_changed.notify()
+
+
+_LONGEST_WAIT = 3600.0  # s: a longer wait (an infinite lease) would overflow the lock's timeout
+
+
+def checked_lease(lease: Any) -> float | None:
+    """``lease`` as seconds (``None``: no lease); an infinite lease never runs out.
+
+    Raises:
+        TypeError: It is not a number.
+        ValueError: It is not positive (or NaN).
+
+    Example:
+        >>> checked_lease(2)
+        2.0
+    """
+    if lease is None:
+        return None
+    if isinstance(lease, bool) or not isinstance(lease, numbers.Real):
+        raise TypeError(f"lease must be a number of seconds or None, not {type(lease).__name__}")
+    if not lease > 0:  # NaN too
+        raise ValueError(f"lease must be a positive number of seconds (or None for no lease), not {lease}")
+    return float(lease)
 
 
 def _keep_leases() -> None:
@@ -147,7 +177,7 @@ def _keep_leases() -> None:
     while True:
         with _leases_changed:
             while not _leases or _leases[0][0] > time.monotonic():
-                _leases_changed.wait(None if not _leases else _leases[0][0] - time.monotonic())
+                _leases_changed.wait(None if not _leases else min(_leases[0][0] - time.monotonic(), _LONGEST_WAIT))
             _, export_id = heapq.heappop(_leases)
         with _lock:
             p = _pins.get(export_id)

@@ -28,6 +28,8 @@ receiver's ``get()`` raises the error instead and later messages still arrive.
 A message that fails to pickle part-way (an unpicklable object after an
 array, say) never leaves, and the exports of the arrays pickled before the
 failure are released at once (the pickler's ``dump`` is wrapped for that).
+An array that is sent but never received stays pinned in the sender, unless
+:func:`set_message_lease` gave it a lease.
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
@@ -65,8 +67,9 @@ from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
 from ._events import IpcEvent, IpcEventHandle, export_event
 from ._identity import this_process
+from ._keepalive import checked_lease
 
-__all__ = [*_mp.__all__, "init_reductions"]  # noqa: PLE0604
+__all__ = [*_mp.__all__, "init_reductions", "set_message_lease"]  # noqa: PLE0604
 
 
 def __getattr__(name: str) -> Any:
@@ -157,10 +160,36 @@ def _dump(pickler: ForkingPickler, obj: Any) -> None:
 
 
 # --- cupy.ndarray ----------------------------------------------------------------
+_message_lease: float | None = None
+
+
+def set_message_lease(seconds: float | None) -> float | None:
+    """Revoke an array sent from now on if it is not received within ``seconds``; returns the old setting.
+
+    An array sent through a queue, pipe or pool stays pinned here until its
+    receiver has opened it and is done with it. One that is never received
+    (its receiver died, or the message sits in a queue nobody reads) stays
+    pinned for the life of this process, unless a lease ends it: once the
+    lease runs out, receiving the array raises :class:`IpcError` and its
+    memory goes at the next export or :func:`cupy_ipc.collect`. A receiver
+    that opened it in time keeps it as long as it needs. ``None`` (the
+    default) sets no lease: choose one longer than any wait in your queues.
+
+    Example:
+        >>> import cupy_ipc.multiprocessing as mp
+        >>> mp.set_message_lease(60.0)
+        >>> mp.set_message_lease(None)
+        60.0
+    """
+    global _message_lease
+    old, _message_lease = _message_lease, checked_lease(seconds)
+    return old
+
+
 @_errors_reach_the_receiver
 def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     _warn_if_fork_default()
-    h = get_ipc_handle(array)
+    h = get_ipc_handle(array, lease=_message_lease)
     exports = getattr(_in_message, "exports", None)
     if exports is not None:
         exports.append(h)

@@ -401,3 +401,35 @@ def test_a_message_that_fails_to_pickle_releases_the_arrays_it_exported(ctx):
     assert not new_pins()
     q.close()
     q.join_thread()
+
+
+def test_a_message_lease_ends_the_pin_of_an_array_nobody_received_in_time(ctx):
+    import time
+
+    import cupy
+
+    import cupy_ipc
+
+    a, b = cupy.ones(256, cupy.float32), cupy.zeros(256, cupy.float32)
+    before = {p.export_id for p in cupy_ipc.pinned()}
+    here, there = ctx.Pipe()
+    assert mp.set_message_lease(0.3) is None
+    try:
+        here.send(a)  # nobody receives it in time (a receiver that died, a queue nobody reads)
+    finally:
+        assert mp.set_message_lease(None) == 0.3
+    here.send(b)  # sent with no lease: the control
+    time.sleep(1.0)
+    cupy_ipc.collect()
+    left = [p for p in cupy_ipc.pinned() if p.export_id not in before]
+    assert [(p.lease_left_s, p.revoked) for p in left] == [(None, False)], left  # b's; a's has ended
+    receiver = ctx.Process(target=mp_workers.receive_error, args=(there,))
+    receiver.start()
+    got = here.recv()
+    assert got.startswith("IpcError:") and "no longer shares this memory" in got, got
+    receiver.join(30)
+    got = there.recv()  # b, still shared (here: the sender's own memory)
+    assert got.data.ptr == b.data.ptr and float(got.sum()) == 0
+    with pytest.raises(ValueError, match="lease must be"):
+        mp.set_message_lease(0)
+    assert mp.set_message_lease(None) is None

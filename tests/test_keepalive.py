@@ -175,3 +175,40 @@ def test_a_child_forked_while_another_thread_holds_the_librarys_locks_can_take_t
         print(os.waitstatus_to_exitcode(status))
     """)
     assert done.returncode == 0 and done.stdout.strip() == "0", (done.stdout, done.stderr)
+
+
+def test_an_endless_lease_leaves_the_lease_keeper_running():
+    # A lease past the lock's longest timeout once ended the thread that revokes leases: no later lease ran out.
+    long_ids = [_keepalive.pin(None, (0, 64, 0), 0, 1, lease, None, ((16,), "float32"))[0]
+                for lease in (float("inf"), 1e12)]
+    time.sleep(0.2)  # the keeper is waiting for the first of them to run out
+    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.05, None, ((16,), "float32"))
+    try:
+        seg = _segment.own_segment(this_process().token)
+        end = time.monotonic() + 10
+        while seg.read(slot)[2] & STATE != REVOKED and time.monotonic() < end:
+            time.sleep(0.01)
+        assert seg.read(slot)[2] & STATE == REVOKED
+        assert _keepalive._keeper is not None and _keepalive._keeper.is_alive()
+        assert {p.export_id: p.revoked for p in _keepalive.pinned() if p.export_id in long_ids} == \
+            {i: False for i in long_ids}
+    finally:
+        for i in (*long_ids, export_id):
+            _keepalive.release(i)
+
+
+@pytest.mark.parametrize("lease, error", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                          ("5", TypeError), (True, TypeError), ([], TypeError)])
+def test_a_lease_that_is_no_positive_number_is_refused(lease, error):
+    with pytest.raises(error, match="lease must be"):
+        _keepalive.checked_lease(lease)
+    assert _keepalive.checked_lease(None) is None and _keepalive.checked_lease(2) == 2.0
+
+
+def test_the_deadlines_of_pins_that_ended_early_do_not_pile_up():
+    # A leased message that its consumer received in time ends its pin long before its lease: on a busy queue
+    # the keeper's list of deadlines must not keep one per message.
+    for _ in range(1000):
+        export_id, _, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 600.0, None, ((16,), "float32"))
+        _keepalive.release(export_id)
+    assert len(_keepalive._leases) <= 2 * len(_keepalive._pins) + 64
