@@ -11,6 +11,7 @@ from typing import Any, Iterable, NamedTuple
 import numpy as np
 
 from . import _cuda, _fdserver, _fork, _keepalive, _mapping, _pools, _segment, _vmm
+from ._args import checked_count, checked_lease
 from ._descriptors import close_quietly
 from ._errors import HandleError, IpcError
 from ._events import check_same_host, open_cached
@@ -271,7 +272,8 @@ def get_ipc_handle(
         An immutable, picklable :class:`IpcArrayHandle`.
 
     Raises:
-        TypeError: ``array`` is not a GPU array, or ``lease`` not a number.
+        TypeError: ``array`` is not a GPU array, ``consumers`` not an
+            integer or ``lease`` not a number.
         ValueError: ``consumers`` or ``lease`` is not positive.
         HandleError: Its dtype cannot be shared.
         IpcError: Its memory cannot be shared (managed, host, pool or
@@ -285,9 +287,8 @@ def get_ipc_handle(
         <IpcArrayHandle shape=(6,) dtype=float32 device=0 producer=pid 4242@gpu-host>
     """
     _fork.check()
-    if consumers < 1:
-        raise ValueError("consumers must be at least 1")
-    lease = _keepalive.checked_lease(lease)
+    consumers = checked_count(consumers, "consumers", 1)
+    lease = checked_lease(lease)
     arr = _as_cupy(array)
     if arr.size == 0:
         device = arr.data.device_id

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import numbers
 import os
 import threading
 import time
@@ -35,7 +34,7 @@ from ._events import IpcEvent
 from ._identity import this_process
 from ._segment import ONE_CONSUMER, PINNED, REVOKED
 
-__all__ = ["PinInfo", "checked_lease", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
+__all__ = ["PinInfo", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
 
 
 class PinInfo(NamedTuple):
@@ -149,26 +148,6 @@ def _watch(deadline: float, export_id: int) -> None:
 
 
 _LONGEST_WAIT = 3600.0  # s: a longer wait (an infinite lease) would overflow the lock's timeout
-
-
-def checked_lease(lease: Any) -> float | None:
-    """``lease`` as seconds (``None``: no lease); an infinite lease never runs out.
-
-    Raises:
-        TypeError: It is not a number.
-        ValueError: It is not positive (or NaN).
-
-    Example:
-        >>> checked_lease(2)
-        2.0
-    """
-    if lease is None:
-        return None
-    if isinstance(lease, bool) or not isinstance(lease, numbers.Real):
-        raise TypeError(f"lease must be a number of seconds or None, not {type(lease).__name__}")
-    if not lease > 0:  # NaN too
-        raise ValueError(f"lease must be a positive number of seconds (or None for no lease), not {lease}")
-    return float(lease)
 
 
 def _keep_leases() -> None:

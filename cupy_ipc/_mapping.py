@@ -34,6 +34,7 @@ import warnings
 from typing import Any, Callable
 
 from . import _cuda, _segment
+from ._args import checked_count
 from ._errors import HandleError, IpcError
 
 __all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts"]
@@ -107,8 +108,7 @@ def set_idle_mapping_limit(n: int) -> int:
         0
     """
     global _idle_limit
-    if n < 0:
-        raise ValueError("the idle mapping limit must not be negative")
+    n = checked_count(n, "the idle mapping limit", 0)
     with _lock:
         old, _idle_limit = _idle_limit, n
         _trim_idle()

@@ -63,11 +63,11 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 from . import _fdserver, _fork, _pools, _vmm
+from ._args import checked_lease
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
 from ._events import IpcEvent, IpcEventHandle, export_event
 from ._identity import this_process
-from ._keepalive import checked_lease
 
 __all__ = [*_mp.__all__, "init_reductions", "set_message_lease"]  # noqa: PLE0604
 

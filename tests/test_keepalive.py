@@ -200,9 +200,11 @@ def test_an_endless_lease_leaves_the_lease_keeper_running():
 @pytest.mark.parametrize("lease, error", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
                                           ("5", TypeError), (True, TypeError), ([], TypeError)])
 def test_a_lease_that_is_no_positive_number_is_refused(lease, error):
+    from cupy_ipc._args import checked_lease
+
     with pytest.raises(error, match="lease must be"):
-        _keepalive.checked_lease(lease)
-    assert _keepalive.checked_lease(None) is None and _keepalive.checked_lease(2) == 2.0
+        checked_lease(lease)
+    assert checked_lease(None) is None and checked_lease(2) == 2.0
 
 
 def test_the_deadlines_of_pins_that_ended_early_do_not_pile_up():

@@ -796,3 +796,25 @@ def test_a_host_name_with_a_nul_is_refused_by_the_constructor_as_by_the_parser(h
     with pytest.raises(HandleError, match="no NUL"):
         IpcArrayHandle(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(8,), strides=(4,),
                        dtype="float32", device=(0, UUID), producer=(1, TOKEN, TOKEN, host))
+
+
+@pytest.mark.parametrize("consumers, error", [("2", TypeError), (1.5, TypeError), (True, TypeError),
+                                              (None, TypeError), (0, ValueError), (-3, ValueError)])
+def test_get_ipc_handle_refuses_a_count_of_consumers_that_is_no_positive_integer(consumers, error):
+    import cupy_ipc
+
+    with pytest.raises(error, match="consumers must be"):
+        cupy_ipc.get_ipc_handle(object(), consumers=consumers)
+    # A NumPy integer is a count: the check passes and the object is refused for what it is.
+    with pytest.raises(TypeError, match="cannot share a object"):
+        cupy_ipc.get_ipc_handle(object(), consumers=np.int64(2))
+
+
+@pytest.mark.parametrize("limit, error", [("3", TypeError), (1.5, TypeError), (None, TypeError), (-1, ValueError)])
+def test_the_idle_mapping_limit_is_a_count(limit, error):
+    import cupy_ipc
+
+    with pytest.raises(error, match="the idle mapping limit must be"):
+        cupy_ipc.set_idle_mapping_limit(limit)
+    old = cupy_ipc.set_idle_mapping_limit(np.int64(4))  # unchanged by the refusals above
+    assert cupy_ipc.set_idle_mapping_limit(old) == 4

@@ -1,0 +1,51 @@
+"""Checks of the public functions' numeric arguments, with errors that say which argument and why."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any
+
+__all__ = ["checked_count", "checked_lease"]
+
+
+def checked_count(value: Any, what: str, minimum: int) -> int:
+    """``value`` as an integer of at least ``minimum``.
+
+    Raises:
+        TypeError: It is not an integer (a float, a string, a bool).
+        ValueError: It is below ``minimum``.
+
+    Example:
+        >>> checked_count(3, "consumers", 1)
+        3
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, not bool")
+    try:
+        n = operator.index(value)  # ints and NumPy integers; not floats
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
+    if n < minimum:
+        raise ValueError(f"{what} must be at least {minimum}, not {n}")
+    return n
+
+
+def checked_lease(lease: Any) -> float | None:
+    """``lease`` as seconds (``None``: no lease); an infinite lease never runs out.
+
+    Raises:
+        TypeError: It is not a number.
+        ValueError: It is not positive (or NaN).
+
+    Example:
+        >>> checked_lease(2)
+        2.0
+    """
+    if lease is None:
+        return None
+    if isinstance(lease, bool) or not isinstance(lease, numbers.Real):
+        raise TypeError(f"lease must be a number of seconds or None, not {type(lease).__name__}")
+    if not lease > 0:  # NaN too
+        raise ValueError(f"lease must be a positive number of seconds (or None for no lease), not {lease}")
+    return float(lease)
