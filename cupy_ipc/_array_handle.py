@@ -287,8 +287,10 @@ def get_ipc_handle(
         <IpcArrayHandle shape=(6,) dtype=float32 device=0 producer=pid 4242@gpu-host>
     """
     _fork.check()
-    consumers = checked_count(consumers, "consumers", 1)
-    lease = checked_lease(lease)
+    if type(consumers) is not int or consumers < 1:  # the checks run only off the common path: every export
+        consumers = checked_count(consumers, "consumers", 1)
+    if lease is not None:
+        lease = checked_lease(lease)
     arr = _as_cupy(array)
     if arr.size == 0:
         device = arr.data.device_id

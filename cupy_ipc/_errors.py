@@ -79,3 +79,20 @@ class ProducerExitedError(IpcError):
     def __init__(self, message: str, *, pid: int = 0, cuda_error: str | None = None) -> None:
         super().__init__(message, cuda_error=cuda_error)
         self.pid = pid
+
+
+def warn_quietly(message: str) -> None:
+    """A ``RuntimeWarning`` that never raises, for destructors and the library's threads, which must go on.
+
+    A filter that makes warnings errors (``-W error``) would raise here: in a
+    destructor that skips what comes after the warning (the release of a
+    claim, say), in a thread it ends the thread and with it every later
+    release or lease it serves. The message then goes to stderr instead.
+    """
+    import sys
+    import warnings
+
+    try:
+        warnings.warn(f"cupy_ipc {message}", RuntimeWarning, stacklevel=3)
+    except Exception:  # noqa: BLE001 - the filter's error: the caller goes on
+        print(f"cupy_ipc {message}", file=sys.stderr)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import collections
 import threading
-import warnings
 import weakref
 from typing import Any
 
 from . import _cuda, _fork, _segment
-from ._errors import ClosedError, HandleError
+from ._errors import ClosedError, HandleError, warn_quietly
 from ._identity import Producer, this_process
 from ._wire import DeviceId, EventFields, pack_event, unpack_event
 
@@ -26,7 +25,7 @@ def _destroy(ptr: int, device: int) -> None:
         with _cuda.using_device(device):
             runtime.eventDestroy(ptr)
     except Exception as e:  # on the destructor path: never raise
-        warnings.warn(f"cupy_ipc could not destroy CUDA event 0x{ptr:x}: {e}", RuntimeWarning, stacklevel=2)
+        warn_quietly(f"could not destroy CUDA event 0x{ptr:x}: {e}")
 
 
 class IpcEvent:

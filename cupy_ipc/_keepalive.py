@@ -30,6 +30,7 @@ import time
 from typing import Any, NamedTuple
 
 from . import _cuda, _segment
+from ._errors import warn_quietly
 from ._events import IpcEvent
 from ._identity import this_process
 from ._segment import ONE_CONSUMER, PINNED, REVOKED
@@ -158,10 +159,13 @@ def _keep_leases() -> None:
             while not _leases or _leases[0][0] > time.monotonic():
                 _leases_changed.wait(None if not _leases else min(_leases[0][0] - time.monotonic(), _LONGEST_WAIT))
             _, export_id = heapq.heappop(_leases)
-        with _lock:
-            p = _pins.get(export_id)
-            if p is not None and not p.revoked:
-                _revoke(_segment_here(), p)
+        try:
+            with _lock:
+                p = _pins.get(export_id)
+                if p is not None and not p.revoked:
+                    _revoke(_segment_here(), p)
+        except Exception as e:  # this thread serves every later lease: it must not end
+            warn_quietly(f"could not revoke export {export_id} at the end of its lease: {e}")
 
 
 def lookup(export_id: int) -> tuple[Any, tuple[int, int, int]] | None:

@@ -30,12 +30,11 @@ import os
 import queue
 import resource
 import threading
-import warnings
 from typing import Any, Callable
 
 from . import _cuda, _segment
 from ._args import checked_count
-from ._errors import HandleError, IpcError
+from ._errors import HandleError, IpcError, warn_quietly
 
 __all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts"]
 
@@ -70,7 +69,7 @@ class _Mapping:
                 else:
                     runtime.ipcCloseMemHandle(self.ptr)
         except Exception as e:  # destructor path: warn, never raise
-            warnings.warn(f"cupy_ipc could not unmap 0x{self.ptr:x}: {e}", RuntimeWarning, stacklevel=2)
+            warn_quietly(f"could not unmap 0x{self.ptr:x}: {e}")
 
 
 class _Claim:
@@ -376,7 +375,7 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
             done = cupy.cuda.Event(block=True, disable_timing=True)
             done.record(stream)
     except Exception as e:  # destructor path: keep the memory pinned rather than raise
-        warnings.warn(f"cupy_ipc could not order the release of a mapping: {e}", RuntimeWarning, stacklevel=2)
+        warn_quietly(f"could not order the release of a mapping: {e}")
         return
     _reaper().put((done, device, _finish, (mapping_key, claim_key)))
 
@@ -403,11 +402,11 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
             runtime.setDevice(device)
             done.synchronize()
         except Exception as e:
-            warnings.warn(f"cupy_ipc: waiting for a consumer's work failed: {e}", RuntimeWarning, stacklevel=1)
+            warn_quietly(f"could not wait for a consumer's work: {e}")
         try:
             then(*args)
         except Exception as e:  # this thread serves every later release: it must not end
-            warnings.warn(f"cupy_ipc: releasing a mapping failed: {e}", RuntimeWarning, stacklevel=1)
+            warn_quietly(f"could not release a mapping: {e}")
 
 
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,

@@ -22,12 +22,11 @@ import itertools
 import os
 import sys
 import threading
-import warnings
 from typing import Any
 
 from . import _cuda
 from ._descriptors import close_quietly
-from ._errors import IpcError
+from ._errors import IpcError, warn_quietly
 from ._wire import MAX_PIECES
 
 __all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exports", "import_mapping", "is_vmm",
@@ -356,8 +355,7 @@ class _Owner:
                 _cuda.rt().deviceSynchronize()
             unmap(self.ptr, self.sizes)
         except Exception as e:  # destructor path: warn, never raise
-            warnings.warn(f"cupy_ipc could not free the virtual memory at 0x{self.ptr:x}: {e}", RuntimeWarning,
-                          stacklevel=2)
+            warn_quietly(f"could not free the virtual memory at 0x{self.ptr:x}: {e}")
 
 
 def allocation_prop(device: int, shareable: bool = True) -> Any:

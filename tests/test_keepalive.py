@@ -214,3 +214,51 @@ def test_the_deadlines_of_pins_that_ended_early_do_not_pile_up():
         export_id, _, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 600.0, None, ((16,), "float32"))
         _keepalive.release(export_id)
     assert len(_keepalive._leases) <= 2 * len(_keepalive._pins) + 64
+
+
+def test_a_revoke_that_fails_leaves_the_lease_keeper_serving_later_leases(monkeypatch):
+    real, failed = _keepalive._revoke, []
+
+    def revoke_once_failing(seg, p):
+        if not failed:
+            failed.append(p.export_id)
+            raise OSError("the segment is gone")
+        real(seg, p)
+
+    monkeypatch.setattr(_keepalive, "_revoke", revoke_once_failing)
+    first, _, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.02, None, ((16,), "float32"))
+    end = time.monotonic() + 10
+    while not failed and time.monotonic() < end:
+        time.sleep(0.01)
+    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.02, None, ((16,), "float32"))
+    try:
+        seg = _segment.own_segment(this_process().token)
+        while seg.read(slot)[2] & STATE != REVOKED and time.monotonic() < end:
+            time.sleep(0.01)
+        assert failed == [first] and seg.read(slot)[2] & STATE == REVOKED
+    finally:
+        for i in (first, export_id):
+            _keepalive.release(i)
+
+
+def test_the_release_thread_outlives_failures_whose_warnings_are_errors():
+    # The consumer's thread that waits for GPU work before releasing serves every later release: a failure,
+    # reported as a warning that the filters here turn into an error, must not end it.
+    from cupy_ipc import _mapping
+
+    released = []
+
+    class FailingWait:
+        def synchronize(self):
+            raise RuntimeError("waiting failed")
+
+    def failing_release():
+        raise RuntimeError("releasing failed")
+
+    q = _mapping._reaper()
+    q.put((FailingWait(), 0, failing_release, ()))
+    q.put((FailingWait(), 0, released.append, ("second",)))
+    end = time.monotonic() + 10
+    while not released and time.monotonic() < end:
+        time.sleep(0.01)
+    assert released == ["second"]
