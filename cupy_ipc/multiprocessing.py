@@ -164,7 +164,8 @@ _message_lease: float | None = None
 
 
 def set_message_lease(seconds: float | None) -> float | None:
-    """Revoke an array sent from now on if it is not received within ``seconds``; returns the old setting.
+    """Revoke an array this process sends from now on if it is not received within ``seconds``; returns the
+    old setting (each process has its own: a worker that returns arrays sets its own).
 
     An array sent through a queue, pipe or pool stays pinned here until its
     receiver has opened it and is done with it. One that is never received
