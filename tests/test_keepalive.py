@@ -36,15 +36,29 @@ def _forget(tokens: list[bytes], producers: list[Segment]) -> None:
         p.close(unlink=True)
 
 
+def _leased_pin(lease: float) -> tuple[int, int]:
+    """``(export id, slot)`` of a pin with a lease and no memory or ordering event."""
+    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, lease, None, ((16,), "float32"))
+    return export_id, slot
+
+
+def _revoked(slot: int) -> bool:
+    return _segment.own_segment(this_process().token).read(slot)[2] & STATE == REVOKED
+
+
+def _eventually(condition, timeout: float = 10.0) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` seconds (polled)."""
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+    return bool(condition())
+
+
 def test_a_lease_runs_out_though_the_producer_never_exports_again():
-    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.05, None, ((16,), "float32"))
+    export_id, slot = _leased_pin(0.05)
     try:
-        seg = _segment.own_segment(this_process().token)
         consumer = Segment.attach(this_process().token, pid=os.getpid())  # a consumer's own open file
-        end = time.monotonic() + 10
-        while seg.read(slot)[2] & STATE != REVOKED and time.monotonic() < end:
-            time.sleep(0.01)
-        assert seg.read(slot)[2] & STATE == REVOKED
+        assert _eventually(lambda: _revoked(slot))
         assert not consumer.claim(slot, export_id)  # refused, holding nothing
         consumer.close()
     finally:
@@ -53,7 +67,7 @@ def test_a_lease_runs_out_though_the_producer_never_exports_again():
 
 
 def test_a_lease_not_yet_run_out_still_admits_its_consumer():
-    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 60.0, None, ((16,), "float32"))
+    export_id, slot = _leased_pin(60.0)
     consumer = Segment.attach(this_process().token, pid=os.getpid())
     try:
         assert consumer.claim(slot, export_id)
@@ -177,18 +191,15 @@ def test_a_child_forked_while_another_thread_holds_the_librarys_locks_can_take_t
     assert done.returncode == 0 and done.stdout.strip() == "0", (done.stdout, done.stderr)
 
 
-def test_an_endless_lease_leaves_the_lease_keeper_running():
+def test_an_endless_lease_leaves_the_lease_keeper_running(monkeypatch):
     # A lease past the lock's longest timeout once ended the thread that revokes leases: no later lease ran out.
-    long_ids = [_keepalive.pin(None, (0, 64, 0), 0, 1, lease, None, ((16,), "float32"))[0]
-                for lease in (float("inf"), 1e12)]
+    # Only this test's deadlines, so that the endless ones come first, whatever earlier tests left behind.
+    monkeypatch.setattr(_keepalive, "_leases", [])
+    long_ids = [_leased_pin(lease)[0] for lease in (float("inf"), 1e12)]
     time.sleep(0.2)  # the keeper is waiting for the first of them to run out
-    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.05, None, ((16,), "float32"))
+    export_id, slot = _leased_pin(0.05)
     try:
-        seg = _segment.own_segment(this_process().token)
-        end = time.monotonic() + 10
-        while seg.read(slot)[2] & STATE != REVOKED and time.monotonic() < end:
-            time.sleep(0.01)
-        assert seg.read(slot)[2] & STATE == REVOKED
+        assert _eventually(lambda: _revoked(slot))
         assert _keepalive._keeper is not None and _keepalive._keeper.is_alive()
         assert {p.export_id: p.revoked for p in _keepalive.pinned() if p.export_id in long_ids} == \
             {i: False for i in long_ids}
@@ -211,7 +222,7 @@ def test_the_deadlines_of_pins_that_ended_early_do_not_pile_up():
     # A leased message that its consumer received in time ends its pin long before its lease: on a busy queue
     # the keeper's list of deadlines must not keep one per message.
     for _ in range(1000):
-        export_id, _, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 600.0, None, ((16,), "float32"))
+        export_id, _ = _leased_pin(600.0)
         _keepalive.release(export_id)
     assert len(_keepalive._leases) <= 2 * len(_keepalive._pins) + 64
 
@@ -226,16 +237,13 @@ def test_a_revoke_that_fails_leaves_the_lease_keeper_serving_later_leases(monkey
         real(seg, p)
 
     monkeypatch.setattr(_keepalive, "_revoke", revoke_once_failing)
-    first, _, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.02, None, ((16,), "float32"))
-    end = time.monotonic() + 10
-    while not failed and time.monotonic() < end:
-        time.sleep(0.01)
-    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.02, None, ((16,), "float32"))
+    end = time.monotonic() + 10  # for both waits
+    first, _ = _leased_pin(0.02)
+    _eventually(lambda: failed, end - time.monotonic())
+    export_id, slot = _leased_pin(0.02)
     try:
-        seg = _segment.own_segment(this_process().token)
-        while seg.read(slot)[2] & STATE != REVOKED and time.monotonic() < end:
-            time.sleep(0.01)
-        assert failed == [first] and seg.read(slot)[2] & STATE == REVOKED
+        assert _eventually(lambda: _revoked(slot), end - time.monotonic())
+        assert failed == [first]
     finally:
         for i in (first, export_id):
             _keepalive.release(i)
@@ -258,7 +266,5 @@ def test_the_release_thread_outlives_failures_whose_warnings_are_errors():
     q = _mapping._reaper()
     q.put((FailingWait(), 0, failing_release, ()))
     q.put((FailingWait(), 0, released.append, ("second",)))
-    end = time.monotonic() + 10
-    while not released and time.monotonic() < end:
-        time.sleep(0.01)
+    _eventually(lambda: released)
     assert released == ["second"]
