@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Callable
 
-from ._errors import IpcError, ProducerExitedError
+from ._errors import IpcError, ProducerExitedError, warn_quietly
 from ._identity import this_process
 
 __all__ = ["fetch", "serve", "served"]
@@ -156,13 +156,23 @@ def _serve_requests(conn: socket.socket, secret: bytes) -> None:
             if not 0 < n <= _MAX:
                 return
             numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
-            if hmac.compare_digest(presented, secret) and _allowed(numbers, resource):
+            if hmac.compare_digest(presented, secret) and _checked_allowed(numbers, resource):
                 socket.send_fds(conn, [_COUNT.pack(n)], numbers)
                 _count(n)
             else:
                 conn.sendall(_COUNT.pack(0))
         except (OSError, struct.error):  # the consumer went away, or sent garbage
             return
+
+
+def _checked_allowed(numbers: list[int], resource: int) -> bool:
+    """``_allowed``, where a check that raises refuses the request (and says why here) rather than end the
+    connection's thread: the consumer then gets a refusal, and its later requests are served."""
+    try:
+        return bool(_allowed(numbers, resource))
+    except Exception as e:
+        warn_quietly(f"refused a request for descriptors {numbers}: checking them failed: {e!r}")
+        return False
 
 
 def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:

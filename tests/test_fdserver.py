@@ -112,6 +112,28 @@ def test_a_request_without_the_servers_secret_or_for_other_memory_is_refused():
         os.close(fd)
 
 
+def test_a_check_that_raises_refuses_the_request_and_the_connection_goes_on(capfd):
+    # The check of a request raised: the consumer is refused with the usual error, the producer says why
+    # (on stderr, as the warning raises under this project's warnings-as-errors filter), and the next
+    # request on the same connection is served.
+    fd = _memfd(b"served")
+
+    def broken(fds, resource):
+        raise RuntimeError("the check broke")
+
+    address = serve(broken)
+    try:
+        with pytest.raises(IpcError, match="no longer shares this memory"):
+            fetch(address, os.getpid(), [fd])
+        assert "checking them failed: RuntimeError('the check broke')" in capfd.readouterr().err
+        serve(lambda fds, _: fds == [fd])
+        (got,) = fetch(address, os.getpid(), [fd])  # over the connection of the refused request
+        assert _read(got) == b"served"
+        os.close(got)
+    finally:
+        os.close(fd)
+
+
 def test_a_producer_that_has_exited_is_named():
     r, w = os.pipe()
     go_r, go_w = os.pipe()
