@@ -14,7 +14,8 @@ the lease is released:
 3. a mapping with no users is unmapped, unless the same allocation was
    released here before (a buffer sent again): then it is kept idle for
    re-opening (up to :func:`set_idle_mapping_limit`) and unmapped when
-   evicted or collected. An imported pool allocation must be freed here
+   evicted or collected, or at the next import once its producer has
+   exited. An imported pool allocation must be freed here
    before its producer frees it (CUDA's rule), so it is kept idle only with
    the last claim on it, which pins the producer's memory until the mapping
    is evicted. A mapping of virtual memory keeps one descriptor open per
@@ -32,7 +33,7 @@ import resource
 import threading
 from typing import Any, Callable
 
-from . import _cuda, _segment
+from . import _cuda, _pools, _segment
 from ._args import checked_count
 from ._errors import HandleError, IpcError, warn_quietly
 
@@ -44,7 +45,8 @@ Importer = tuple[Callable[[], int], Callable[[int], None], int]
 
 
 class _Mapping:
-    __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held", "descriptors", "size")
+    __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held", "descriptors", "size",
+                 "seg")
 
     def __init__(self, ptr: int, device: int, imported: bool, close: Callable[[int], None] | None = None,
                  hold_claim: bool = False, descriptors: int = 0) -> None:
@@ -57,6 +59,7 @@ class _Mapping:
         self.held: tuple[bytes, int] | None = None  # that claim, while idle
         self.descriptors = descriptors  # open while mapped (virtual memory: one per piece)
         self.size: int | None = None  # bytes checked mapped, for an import
+        self.seg: _segment.Segment | None = None  # the producer's of the handle it was imported from
 
     def unmap(self) -> None:
         if not self.imported:
@@ -211,7 +214,8 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
 
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
-         own_ptr: int | None, importer: "Importer | None", hold_claim: bool = False) -> _Mapping:
+         own_ptr: int | None, importer: "Importer | None", hold_claim: bool = False,
+         segment: _segment.Segment | None = None) -> _Mapping:
     m = _active.get(key) or _idle.get(key)  # a mapping is in use or idle, never both
     if m is not None:
         _refuse_larger(m, allocation_size)  # before an idle one leaves its table
@@ -220,11 +224,15 @@ def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_siz
     if m is None:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
-        elif importer is not None:
-            m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1], hold_claim=hold_claim,
-                                  descriptors=importer[2]), allocation_size, max(1, importer[2]))
         else:
-            m = _import(device, memory_handle, allocation_size)
+            _drop_idle_of_exited()
+            if importer is not None:
+                m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1],
+                                      hold_claim=hold_claim, descriptors=importer[2]),
+                             allocation_size, max(1, importer[2]))
+            else:
+                m = _import(device, memory_handle, allocation_size)
+            m.seg = segment
     _active[key] = m
     m.users += 1
     return m
@@ -238,6 +246,37 @@ def _import(device: int, memory_handle: bytes, allocation_size: int) -> _Mapping
             runtime.cudaIpcMemLazyEnablePeerAccess,
         )
     return _checked(_Mapping(ptr, device, imported=True), allocation_size)
+
+
+def _drop_idle_of_exited() -> None:
+    """Unmap the idle mappings whose producers have exited; the caller holds ``_lock``.
+
+    No handle of a producer that has gone can be opened again, so such a
+    mapping only keeps the memory allocated (the driver frees it with the
+    last mapping anywhere) and, for virtual memory, its descriptors open.
+    Looked for before each import: one liveness check per producer with idle
+    mappings. A pool imported from such a producer is let go with them.
+    """
+    if not _idle:
+        return
+    alive: dict[int, bool] = {}
+    gone = []
+    for key, m in _idle.items():
+        seg = m.seg
+        if seg is None or seg.fd < 0:
+            continue
+        ok = alive.get(id(seg))
+        if ok is None:
+            ok = alive[id(seg)] = seg.producer_alive()
+        if not ok:
+            gone.append(key)
+    pools = False
+    for key in gone:
+        m = _unpark(key)
+        pools = pools or m.hold_claim  # type: ignore[union-attr]
+        _discard(m)  # type: ignore[arg-type]
+    if pools:
+        _pools.release_exited()
 
 
 def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:
@@ -426,7 +465,7 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
         try:
-            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim)
+            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim, segment)
         except BaseException:
             _unclaim(claim_key)
             raise

@@ -182,3 +182,27 @@ def test_mapping_held_when_producer_dies(remote):
     assert (out == 4).all()
     consumer.call("drop", "x")
     assert consumer.call("read_first", _local_handle()) == 1
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["cudaMalloc-exited", "pool-killed"])
+def test_idle_mappings_of_a_producer_that_has_gone_are_unmapped_at_the_next_import(remote, pool):
+    # A buffer sent twice stays mapped, idle, for its next message. Once its producer has gone nothing can
+    # open it again, and the idle mapping only keeps the memory allocated: the driver frees it with the
+    # last mapping anywhere. The next import (of another producer's array) unmaps it, and lets go of the
+    # pool it came from.
+    consumer, first, second = remote(), remote(), remote()
+    n = 1 << 26  # 256 MiB of float32
+    got = consumer.call("open_each", first.call("export_times", n, 5.0, 2, pool=pool))
+    assert [g["value"] for g in got] == [5.0, 5.0] and got[-1]["idle"] == 1
+    if pool:
+        first.kill()
+    else:
+        first.close()
+    probe = second.call("export_filled", 1024, 2.0)  # the second producer's context is up before the measure
+    before = consumer.call("state")
+    assert before["idle"] == 1  # nothing looked for the producer yet: the memory is still held
+    assert consumer.call("open_each", [probe])[0]["value"] == 2.0
+    after = consumer.call("state")
+    assert after["idle"] == 0 and after["claims"] == 0
+    assert after["pools"] == before["pools"] - pool
+    assert after["free_mem"] - before["free_mem"] >= 0.9 * 4 * n  # the gone producer's memory is free again

@@ -300,12 +300,12 @@ def event_lifecycle(event_data: bytes) -> dict[str, Any]:
 def state() -> dict[str, Any]:
     import cupy
 
-    from cupy_ipc import _events, _mapping
+    from cupy_ipc import _events, _mapping, _pools
 
     cupy.cuda.runtime.deviceSynchronize()
     return {
         **_mapping.counts(), "events": len(_events._opened), "fds": open_fds(), "segments": segments(),
-        "free_mem": cupy.cuda.runtime.memGetInfo()[0],
+        "free_mem": cupy.cuda.runtime.memGetInfo()[0], "pools": len(_pools._imports),
     }
 
 
@@ -374,6 +374,21 @@ def export_filled(n: int, value: float, **options: Any) -> bytes:
     a = cupy.full(n, value, cupy.float32)
     _held.setdefault("exported", []).append(a)
     return cupy_ipc.get_ipc_handle(a, **options).to_bytes()
+
+
+def export_times(n: int, value: float, times: int, pool: bool = False) -> list[bytes]:
+    """One array of ``n`` float32 of ``value`` (from a shareable pool if ``pool``), kept, exported ``times``
+    times: a buffer sent again."""
+    import cupy
+
+    import cupy_ipc
+
+    if pool and "pool" not in _held:
+        _held["pool"] = cupy_ipc.ShareableMemoryPool()
+    with cupy.cuda.using_allocator(_held["pool"].malloc) if pool else contextlib.nullcontext():
+        a = cupy.full(n, value, cupy.float32)
+    _held.setdefault("exported", []).append(a)
+    return [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(times)]
 
 
 def export_then_overwrite(n: int, keepalive: bool, rounds: int = 20) -> bytes:
