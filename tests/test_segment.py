@@ -375,3 +375,36 @@ def test_only_an_export_for_several_consumers_counts_under_the_mutex(token, cons
         for seg in (first, second, holder):
             seg.close()
         producer.close(unlink=True)
+
+
+def test_idle_mappings_of_a_producer_that_has_gone_are_dropped_before_an_import(token, start, monkeypatch):
+    # The consumer's table with real producer segments: before each import, the idle mappings of
+    # producers that have exited are let go (they can never be opened again), the others stay.
+    import collections
+
+    from cupy_ipc import _mapping
+
+    other = secrets.token_bytes(16)
+    gone, alive = start(_create_and_hold, token), start(_create_and_hold, other)
+    segs = {token: Segment.attach(token, pid=gone.pid), other: Segment.attach(other, pid=alive.pid)}
+    discarded = []
+    monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
+    monkeypatch.setattr(_mapping, "_discard", lambda m: discarded.append(m.ptr))  # (unmapping needs a GPU)
+    for ptr, t in ((1, token), (2, other), (3, token)):
+        m = _mapping._Mapping(ptr, 0, imported=True)
+        m.seg = segs[t]
+        _mapping._idle[("key", ptr)] = m
+    try:
+        with _mapping._lock:
+            _mapping._drop_idle_of_exited()
+        assert discarded == [] and len(_mapping._idle) == 3
+        kill(gone)
+        with _mapping._lock:
+            _mapping._drop_idle_of_exited()
+        assert discarded == [1, 3] and list(_mapping._idle) == [("key", 2)]
+    finally:
+        for seg in segs.values():
+            seg.close()
+        alive.kill()
+        alive.join(JOIN_TIMEOUT)
+        os.unlink(segment_path(other))
