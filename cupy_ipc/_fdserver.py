@@ -31,6 +31,7 @@ import errno
 import hmac
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -56,6 +57,10 @@ _lock = threading.Lock()
 _server: tuple[bytes, socket.socket, bytes] | None = None  # (name, listening socket, secret)
 _allowed: Callable[[list[int], int], bool] = lambda fds, resource: False  # noqa: E731 - replaced by serve()
 _connections: dict[bytes, tuple[threading.Lock, socket.socket]] = {}  # consumer: name -> connection
+# Connections to producers that have gone are closed once the table has doubled since the last look
+# (amortized), so that a consumer of many short-lived producers does not keep a socket for each.
+_PRUNE_FROM = 16
+_prune_at = _PRUNE_FROM
 _accepted: set[socket.socket] = set()  # producer: connections being served
 
 
@@ -191,10 +196,39 @@ def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
         raise IpcError(f"could not reach producer process {pid} for the memory's descriptors: "
                        f"{os.strerror(e.errno or 0)}") from e
     with _lock:
+        if name not in _connections and len(_connections) >= _prune_at:
+            _prune_connections()
         hit = _connections.setdefault(name, (threading.Lock(), sock))
     if hit[1] is not sock:
         sock.close()
     return hit
+
+
+def _prune_connections() -> None:
+    """Close the connections whose producer has closed its end (exited); the caller holds ``_lock``. One in
+    use by a request is left for that request to judge."""
+    global _prune_at
+    for name, (lock, sock) in list(_connections.items()):
+        if not lock.acquire(blocking=False):
+            continue
+        try:
+            if _closed_by_peer(sock):
+                del _connections[name]
+                sock.close()
+        finally:
+            lock.release()
+    _prune_at = max(_PRUNE_FROM, 2 * len(_connections))
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection is over: the producer closed it, or something unasked-for waits on it."""
+    poller = select.poll()  # not select(): descriptors past 1023 are common in processes with many files
+    try:
+        poller.register(sock, select.POLLIN)
+        # Between requests nothing is due: an end of file, or a late answer to a request given up on.
+        return bool(poller.poll(0))
+    except (OSError, ValueError):  # closed meanwhile
+        return True
 
 
 def _alive(pid: int) -> bool:

@@ -134,6 +134,53 @@ def test_a_check_that_raises_refuses_the_request_and_the_connection_goes_on(capf
         os.close(fd)
 
 
+def test_connections_to_producers_that_have_gone_are_closed_as_new_ones_open(monkeypatch):
+    # A consumer of many short-lived producers must not keep a socket for each: once the table has grown,
+    # a new connection closes those whose producer has gone, and keeps the live ones.
+    from cupy_ipc import _fdserver
+
+    started, pipes = [], []
+
+    def fetch_from_new_producer(content: bytes) -> tuple[int, bytes]:
+        r, w = os.pipe()
+        go_r, go_w = os.pipe()
+        pipes.extend((r, w, go_r, go_w))
+
+        def producer() -> str:
+            _serve_memfd(content, w)
+            os.read(go_r, 1)  # until told to exit
+            return "done"
+
+        pid = _child(producer, pipe_out=w)
+        started.append((pid, go_w))
+        name_hex, fd = _read_line(r).split()
+        (got,) = fetch(bytes.fromhex(name_hex), pid, [int(fd)])
+        assert _read(got) == content
+        os.close(got)
+        return pid, bytes.fromhex(name_hex)[:-16]
+
+    try:
+        gone_pid, gone = fetch_from_new_producer(b"gone soon")
+        _, alive = fetch_from_new_producer(b"alive")
+        gone_sock = _fdserver._connections[gone][1]
+        os.write(started[0][1], b"x")
+        os.waitpid(gone_pid, 0)
+        assert gone in _fdserver._connections  # nothing looked yet
+        monkeypatch.setattr(_fdserver, "_prune_at", len(_fdserver._connections))  # the table has grown
+        _, new = fetch_from_new_producer(b"new")  # a new connection: the table is looked at
+        assert gone not in _fdserver._connections and gone_sock.fileno() == -1
+        assert alive in _fdserver._connections and new in _fdserver._connections  # alive, idle: kept
+    finally:
+        for pid, go_w in started:
+            try:
+                os.write(go_w, b"x")
+                os.waitpid(pid, 0)
+            except (ChildProcessError, BrokenPipeError):
+                pass
+        for x in pipes:
+            os.close(x)
+
+
 def test_a_producer_that_has_exited_is_named():
     r, w = os.pipe()
     go_r, go_w = os.pipe()
