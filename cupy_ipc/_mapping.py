@@ -267,7 +267,11 @@ def _drop_idle_of_exited() -> None:
             continue
         ok = alive.get(id(seg))
         if ok is None:
-            ok = alive[id(seg)] = seg.producer_alive()
+            try:
+                ok = seg.producer_alive()
+            except OSError:  # cannot tell: keep it (an eviction or collect() still ends it)
+                ok = True
+            alive[id(seg)] = ok
         if not ok:
             gone.append(key)
     pools = False
