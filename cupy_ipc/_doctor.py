@@ -67,6 +67,20 @@ def _segments() -> dict[str, Any]:
     return {"dir": path, "writable": os.access(path, os.W_OK), "shared_memory": path == "/dev/shm"}
 
 
+def _open_files() -> dict[str, int | None]:
+    """The open-file limits (``None``: unlimited)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return {"soft": None if soft == resource.RLIM_INFINITY else soft,
+            "hard": None if hard == resource.RLIM_INFINITY else hard}
+
+
+# Below this many open files, a consumer cannot map a large tensor of PyTorch's expandable segments.
+_FEW_FILES = 4096
+_PIECE_MIB = 20  # the size of one piece of an expandable segment
+
+
 def _start_method() -> dict[str, Any]:
     default = multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
     return {"default": default, "available": multiprocessing.get_all_start_methods()}
@@ -356,6 +370,15 @@ def _problems(report: dict[str, Any]) -> list[dict[str, str]]:
         if not g["unified_addressing"]:
             out.append({"what": f"GPU {g['ordinal']} without unified addressing",
                         "cause": "CUDA IPC needs unified virtual addressing", "remedy": "use a 64-bit Linux host"})
+    soft, hard = report["open_files"]["soft"], report["open_files"]["hard"]
+    if soft is not None and soft < _FEW_FILES:
+        higher = "the hard limit" if hard is None or hard > soft else "a higher hard limit (as root)"
+        out.append({"what": f"open-file limit {soft}",
+                    "cause": "memory shared by descriptor keeps one open per piece of virtual memory mapped (a "
+                    f"PyTorch tensor of expandable segments has one per {_PIECE_MIB} MiB), so a process can map "
+                    f"about {soft * _PIECE_MIB // 1024} GiB of such tensors at once",
+                    "remedy": f"ulimit -n {hard if hard is not None and hard > soft else _FEW_FILES} before starting "
+                    f"the processes ({higher}; in a container: --ulimit nofile=...)"})
     if report["start_method"]["default"] == "fork":
         out.append({"what": "default start method 'fork'",
                     "cause": "a child forked after CUDA was initialized cannot use CUDA",
@@ -380,6 +403,7 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
         "cupy_ipc": __version__,
         "host": _host(),
         "segments": _segments(),
+        "open_files": _open_files(),
         "start_method": _start_method(),
         "ptrace": _ptrace(),
         "gpu_error": unavailable_reason(),
@@ -448,6 +472,8 @@ def render(report: dict[str, Any]) -> str:
     getfd = p["pidfd_getfd"] + (f" ({p['pidfd_getfd_error']})" if p["pidfd_getfd_error"] else "")
     lines.append(f"ptrace        ptrace_scope {scope}; pidfd_getfd from another process: {getfd}")
     lines.append(f"start method  default '{report['start_method']['default']}'")
+    o = report["open_files"]
+    lines.append(f"open files    limit {o['soft'] or 'unlimited'} (hard {o['hard'] or 'unlimited'})")
     if report["modes"]:
         lines.append("modes")
     for mode in report["modes"]:

@@ -19,8 +19,9 @@ MODE_KEYS = {"name": str, "title": str, "available": bool, "round_trip_us": dict
 
 
 def check_schema(report: dict) -> None:
-    assert set(report) == {"cupy_ipc", "host", "segments", "start_method", "ptrace", "gpu_error", "versions",
-                           "gpus", "peer_access", "modes", "problems", "ok"}
+    assert set(report) == {"cupy_ipc", "host", "segments", "open_files", "start_method", "ptrace", "gpu_error",
+                           "versions", "gpus", "peer_access", "modes", "problems", "ok"}
+    assert all(n is None or (isinstance(n, int) and n > 0) for n in report["open_files"].values())
     for key, kind in HOST_KEYS.items():
         assert isinstance(report["host"][key], kind), key
     assert isinstance(report["segments"]["writable"], bool)
@@ -72,6 +73,7 @@ def _report(**changes):
         "cupy_ipc": "0", "host": {"platform": "linux", "machine": "x86_64", "kernel": "6", "python": "3.12",
                                   "bits": 64, "wsl": False},
         "segments": {"dir": "/dev/shm", "writable": True, "shared_memory": True},
+        "open_files": {"soft": 65536, "hard": 65536},
         "start_method": {"default": "spawn", "available": ["spawn"]},
         "ptrace": {"ptrace_scope": 1, "pidfd_getfd": "refused", "pidfd_getfd_error": "EPERM"},
         "gpu_error": None, "versions": {"cupy": "14"},
@@ -99,6 +101,8 @@ def _report(**changes):
     ({"segments__writable": False}, "not writable", "--ipc=host"),
     ({"gpus__0__compute_mode": "exclusive-process"}, "compute mode exclusive-process", "nvidia-smi -i 0 -c DEFAULT"),
     ({"start_method__default": "fork", "start_method__available": ["fork", "spawn"]}, "'fork'", "spawn"),
+    ({"open_files__soft": 1024, "open_files__hard": 524288}, "open-file limit 1024", "ulimit -n 524288"),
+    ({"open_files__soft": 1024, "open_files__hard": 1024}, "open-file limit 1024", "a higher hard limit"),
     ({"modes__0__works": False, "modes__0__cause": "the driver could not map", "modes__0__remedy": "--ipc=host"},
      "legacy failed", "--ipc=host"),
 ])
