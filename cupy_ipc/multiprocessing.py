@@ -18,7 +18,9 @@ registers reducers with multiprocessing's pickler (and only with it: ordinary
   a pool's crosses once per receiving process;
 - :class:`cupy_ipc.IpcEvent`, and ``cupy.cuda.Event`` created with
   ``interprocess=True`` (received as a ``cupy.cuda.Event``; the process that
-  created it gets the same object back).
+  created it gets the same object back). A ``cupy.cuda.Event`` is labelled
+  with the current GPU of the thread that pickles it (a ``Queue``'s own
+  thread: GPU 0); send events of other GPUs as ``IpcEvent``.
 
 An object that cannot be shared (an array of managed memory, say) raises
 :class:`IpcError` in the sender, except on a ``Queue``: it pickles on a
