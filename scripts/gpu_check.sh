@@ -81,7 +81,8 @@ last() { [ -f "$1" ] && tail -n 1 "$1" || echo "not run (PART=$PART)"; }
 echo "gpu tests: $(last "$OUT/gpu-tests.log")"
 echo "cpu tests: $(last "$OUT/cpu-tests.log")"
 [ -f "$OUT/notebooks.log" ] && tail -n 1 "$OUT/notebooks.log" || echo "notebooks: not run (PART=$PART)"
-echo "demo: exit $demo_rc; doctor: exit $doctor_rc; benchmark suite: exit $bench_rc"
+ran() { [ -f "$OUT/$1" ] && echo "exit $2" || echo "not run (PART=$PART)"; }
+echo "demo: $(ran demo.log $demo_rc); doctor: $(ran doctor.log $doctor_rc); benchmark suite: $(ran bench.log $bench_rc)"
 [ -f "$OUT/doctor.log" ] && tail -n 12 "$OUT/doctor.log"
 [ -n "$PACK" ] && tar -czf "$PACK/check.tgz" -C "$OUT" .
 [ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $doctor_rc -eq 0 ] && [ $nb_rc -eq 0 ] \
