@@ -53,6 +53,22 @@ def _serve_memfd(content: bytes, w: int) -> int:
     return fd
 
 
+def _serving_child(content: bytes) -> tuple[int, bytes, int, int, list[int]]:
+    """Fork a producer that serves a new memfd of ``content`` until a byte arrives on its go pipe:
+    ``(pid, its server's address, the descriptor's number there, the go pipe's write end, the pipes to close)``."""
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def producer() -> str:
+        _serve_memfd(content, w)
+        os.read(go_r, 1)  # until told to exit
+        return "done"
+
+    pid = _child(producer, pipe_out=w)
+    name_hex, fd = _read_line(r).split()
+    return pid, bytes.fromhex(name_hex), int(fd), go_w, [r, w, go_r, go_w]
+
+
 def test_a_child_fetches_an_allowed_descriptor_and_is_refused_others():
     fd = _memfd(b"served")
     name = serve(lambda fds, _: fds == [fd])
@@ -142,22 +158,13 @@ def test_connections_to_producers_that_have_gone_are_closed_as_new_ones_open(mon
     started, pipes = [], []
 
     def fetch_from_new_producer(content: bytes) -> tuple[int, bytes]:
-        r, w = os.pipe()
-        go_r, go_w = os.pipe()
-        pipes.extend((r, w, go_r, go_w))
-
-        def producer() -> str:
-            _serve_memfd(content, w)
-            os.read(go_r, 1)  # until told to exit
-            return "done"
-
-        pid = _child(producer, pipe_out=w)
+        pid, address, fd, go_w, fds = _serving_child(content)
+        pipes.extend(fds)
         started.append((pid, go_w))
-        name_hex, fd = _read_line(r).split()
-        (got,) = fetch(bytes.fromhex(name_hex), pid, [int(fd)])
+        (got,) = fetch(address, pid, [fd])
         assert _read(got) == content
         os.close(got)
-        return pid, bytes.fromhex(name_hex)[:-16]
+        return pid, address[:-16]
 
     try:
         gone_pid, gone = fetch_from_new_producer(b"gone soon")
@@ -182,27 +189,17 @@ def test_connections_to_producers_that_have_gone_are_closed_as_new_ones_open(mon
 
 
 def test_a_producer_that_has_exited_is_named():
-    r, w = os.pipe()
-    go_r, go_w = os.pipe()
-
-    def producer() -> str:
-        _serve_memfd(b"x", w)
-        os.read(go_r, 1)
-        return "done"
-
-    pid = _child(producer, pipe_out=w)
-    name_hex, fd = _read_line(r).split()
-    name = bytes.fromhex(name_hex)
-    (got,) = fetch(name, pid, [int(fd)])  # alive: served, and the connection is cached
+    pid, name, fd, _, pipes = _serving_child(b"x")
+    (got,) = fetch(name, pid, [fd])  # alive: served, and the connection is cached
     os.close(got)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    for x in (r, w, go_r, go_w):
+    for x in pipes:
         os.close(x)
     with pytest.raises(ProducerExitedError, match=f"process {pid} has exited"):
-        fetch(name, pid, [int(fd)])  # over the cached, now broken connection
+        fetch(name, pid, [fd])  # over the cached, now broken connection
     with pytest.raises(ProducerExitedError):
-        fetch(name, pid, [int(fd)])  # and connecting anew
+        fetch(name, pid, [fd])  # and connecting anew
 
 
 def test_a_non_dumpable_producer_serves_where_pidfd_getfd_is_refused(may_switch_user):  # noqa: F811
