@@ -154,9 +154,11 @@ def _template(arr: Any) -> ArrayFields:
     """The handle fields of a non-empty array with no export part."""
     dtype = dtype_of(arr.dtype)
     owner = getattr(arr.data.mem, "_owner", None)
-    # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
-    device = owner.memory_device if isinstance(owner, _mapping.Lease) else arr.data.device_id
-    lease = _received_lease(owner)
+    if isinstance(owner, _mapping.Lease):
+        # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
+        device, lease = owner.memory_device, _received_lease(owner)
+    else:
+        device, lease = arr.data.device_id, None
     if lease is not None and lease.mapping_key[1] == Kind.VMM:
         # Mapped here from the producer's pieces: sent on as this process's own
         # virtual memory, with the descriptors it imported them from.
@@ -205,11 +207,21 @@ def _template(arr: Any) -> ArrayFields:
             )
     fields = ArrayFields(
         kind, 0, dtype, memory_handle, arr.data.ptr - base, size, base, buffer_id,
-        DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides,
-        fd, resource, more,
+        _device_id(device), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides, fd, resource, more,
     )
     validate_layout(fields)  # every other field comes from the driver and this process
     return fields
+
+
+_device_ids: dict[int, DeviceId] = {}
+
+
+def _device_id(ordinal: int) -> DeviceId:
+    """The ``DeviceId`` of a GPU of this process, made once."""
+    d = _device_ids.get(ordinal)
+    if d is None:
+        d = _device_ids[ordinal] = DeviceId(ordinal, _cuda.device_uuid(ordinal))
+    return d
 
 
 def _as_cupy(array: Any) -> Any:
@@ -295,8 +307,7 @@ def get_ipc_handle(
     if arr.size == 0:
         device = arr.data.device_id
         fields = ArrayFields(Kind.EMPTY, 0, dtype_of(arr.dtype), _NO_HANDLE, 0, 0, 0, 0,
-                             DeviceId(device, _cuda.device_uuid(device)), this_process(), 0, 0, _NO_HANDLE,
-                             arr.shape, arr.strides)
+                             _device_id(device), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides)
         return IpcArrayHandle._make(fields)
     # A live array's wire form is cached after its first export: later ones change only the export part,
     # unless the array was reshaped in place since (CuPy lets `a.shape = ...` change a live array's layout).
@@ -308,11 +319,13 @@ def get_ipc_handle(
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
         return IpcArrayHandle._make(template, static or _first_wire(arr, array is arr, template, template))
     device = arr.data.device_id  # where the producer's stream and its event live
-    with _cuda.using_device(device):
-        export_id, slot, event = _keepalive.pin(
-            array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
-            device, consumers, lease,
-            _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
+    pin = (array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
+           device, consumers, lease, _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
+    if _cuda.current_device() == device:
+        export_id, slot, event = _keepalive.pin(*pin)
+    else:
+        with _cuda.using_device(device):
+            export_id, slot, event = _keepalive.pin(*pin)
     flags = FLAG_KEEPALIVE if keepalive else 0
     if event is not None:
         flags |= FLAG_EVENT
@@ -376,6 +389,40 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _open_common(f: ArrayFields) -> Any:
+    """The open of nearly every message, written out flat: another process's ``cudaMalloc`` memory, mapped
+    on the current GPU, which holds it, ordered on its current stream. ``None``, having done nothing, for
+    any other case (the general path then opens it).
+
+    Flat because a message's Python costs several times its loop time (measured: a consumer woken by a
+    message runs it with cold caches), so every call left out of a message's path counts.
+    """
+    import cupy
+
+    producer, me = f.producer, this_process()
+    if producer.token == me.token or producer.boot_id != me.boot_id or f.memory_handle in _exported:
+        return None  # our own memory, or another host's handle: the general path says what to do
+    runtime = _cuda.rt()
+    try:
+        device = runtime.getDevice()
+        if _cuda._ordinals.get(f.device.uuid) != device:
+            return None  # another GPU's memory (or a GPU not looked up yet)
+        seg = _segment.attach(producer.token, producer.pid)  # ProducerExitedError if it has gone
+        stream = cupy.cuda.get_current_stream()
+        ptr, lease = _mapping.acquire(
+            (device, Kind.LEGACY, f.memory_handle, producer.token, f.buffer_id), device, f.memory_handle,
+            f.allocation_size, None, None, seg, producer.token, producer.pid, f.export_id, f.slot, stream, device,
+            device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size))
+        if f.flags & FLAG_EVENT:
+            event = open_cached(f.event_handle, device, producer)._ptr
+            if runtime.eventQuery(event) != 0:  # a finished event needs no wait, and the GPU-side wait is slow
+                runtime.streamWaitEvent(stream.ptr, event, 0)
+    except _cuda._runtime_error() as e:
+        raise _cuda._translated("opening the array", e) from e
+    mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)
+    return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
 
 
 class IpcArrayHandle:
@@ -495,7 +542,8 @@ class IpcArrayHandle:
             close_quietly(fd)
 
     def __del__(self) -> None:
-        self._close_fds()
+        if getattr(self, "_fd", None):
+            self._close_fds()
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("IpcArrayHandle is immutable")
@@ -591,10 +639,18 @@ class IpcArrayHandle:
 
         _fork.check()
         f = self._f
-        check_same_host(f.producer)
+        if stream is None and device is None and f.kind == Kind.LEGACY:
+            arr = _open_common(f)
+            if arr is not None:
+                return arr
+        if f.producer.boot_id != this_process().boot_id:
+            check_same_host(f.producer)
         home = _cuda.ordinal_of_uuid(f.device.uuid)
-        current = _cuda.call("reading the current device", _cuda.rt().getDevice)
-        target = _default_device(home, current) if device is None else _cuda.checked_ordinal(device)
+        current = _cuda.current_device()
+        if device is not None:
+            target = _cuda.checked_ordinal(device)
+        else:
+            target = home if current == home else _default_device(home, current)
         if f.kind == Kind.EMPTY:
             with cupy.cuda.Device(target):
                 arr = cupy.empty(f.shape, f.dtype)
@@ -618,10 +674,14 @@ class IpcArrayHandle:
             with _cuda.using_device(target):
                 stream_obj = cupy.cuda.get_current_stream()
         if not staged:
-            return self._mapped(target, home, stream_obj, target)
+            if target == current:  # no device to switch to and back
+                return self._mapped(target, home, stream_obj, target)
+            with _cuda.using_device(target):
+                return self._mapped(target, home, stream_obj, target)
         # Map on the memory's GPU, copy to the target on the consumer's
         # stream, and let the mapping go once that copy is done.
-        src = self._mapped(home, home, stream_obj, target)
+        with _cuda.using_device(home):
+            src = self._mapped(home, home, stream_obj, target)
         lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
         runtime = _cuda.rt()
         with _cuda.using_device(target):
@@ -634,7 +694,7 @@ class IpcArrayHandle:
         return arr
 
     def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int) -> Any:
-        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it)."""
+        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it), which is current."""
         import cupy
 
         f = self._f
@@ -658,11 +718,14 @@ class IpcArrayHandle:
         # Raises ProducerExitedError if the producer is gone; in our own
         # process it is a second open file, so that our locks are separate.
         seg = _segment.attach(producer.token, producer.pid)
-        importer = None
+        importer = origin = None
         if own_ptr is not None:
             key: tuple[Any, ...] = (map_device, "own", buffer_id)
         elif f.kind == Kind.LEGACY:
-            key = (map_device, f.kind, f.memory_handle)
+            # The same bytes may name a later allocation at the same addresses: a mapping serves only the
+            # sender's same allocation (its buffer id, never reused in the sender).
+            key = (map_device, f.kind, f.memory_handle, producer.token, f.buffer_id)
+            origin = (f.memory_handle, producer.token, f.base_ptr, f.allocation_size)
         elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
             key = (map_device, f.kind, producer.token, f.buffer_id, f.resource)
             importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds), _pools.free_imported, 0)
@@ -671,21 +734,20 @@ class IpcArrayHandle:
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
                         lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]), len(pieces))
-        with _cuda.using_device(map_device):
-            ptr, lease = _mapping.acquire(
-                key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
-                producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,
-                f.kind == Kind.POOL,
-            )
-            if f.flags & FLAG_EVENT:
-                if from_us:
-                    _keepalive.wait_own_event(f.export_id, stream_obj)
-                else:
-                    ev = open_cached(f.event_handle, home, producer)
-                    if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                        ev.wait_from(stream_obj.ptr, stream_device)
-            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
-            return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+        ptr, lease = _mapping.acquire(
+            key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
+            producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,
+            f.kind == Kind.POOL, origin,
+        )
+        if f.flags & FLAG_EVENT:
+            if from_us:
+                _keepalive.wait_own_event(f.export_id, stream_obj)
+            else:
+                ev = open_cached(f.event_handle, home, producer)
+                if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
+                    ev.wait_from(stream_obj.ptr, stream_device)
+        mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
+        return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
 
     def close(self) -> None:
         """Drop the arrays this handle opened. Idempotent.

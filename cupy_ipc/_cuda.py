@@ -20,6 +20,7 @@ __all__ = [
     "call",
     "can_access_peer",
     "checked_ordinal",
+    "current_device",
     "device_count",
     "device_uuid",
     "enable_peer_access",
@@ -236,6 +237,14 @@ def ordinal_of_uuid(uuid: bytes) -> int:
         f"the GPU with UUID GPU-{_uuid_text(uuid)} is not visible to this process "
         "(check CUDA_VISIBLE_DEVICES)"
     )
+
+
+def current_device() -> int:
+    """The ordinal of this thread's current GPU (``cudaGetDevice``)."""
+    try:  # not through call(): this runs on every open
+        return rt().getDevice()
+    except _runtime_error() as e:
+        raise _translated("reading the current device", e) from e
 
 
 def checked_ordinal(device: Any) -> int:

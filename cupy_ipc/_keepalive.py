@@ -111,8 +111,11 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
         if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
             event = _take_event(device)
             try:
-                _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event.ptr, stream_ptr)
-                handle = event.get_ipc_handle().event_handle  # before the pin: a pin without a handle would leak
+                _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event._ptr, stream_ptr)
+                handle = event._handle  # a pooled event's, once exported
+                if handle is None:
+                    handle = event.get_ipc_handle()  # before the pin: a pin without a handle would leak
+                handle = handle.event_handle
             except BaseException:
                 _event_pool.setdefault(device, []).append(event)
                 raise

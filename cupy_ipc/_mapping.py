@@ -21,6 +21,16 @@ the lease is released:
    is evicted. A mapping of virtual memory keeps one descriptor open per
    piece (to be sent on), so idle ones are also evicted, oldest first, once
    they hold more than a quarter of the process's open-file limit.
+
+An idle mapping of ``cudaMalloc`` memory holds no claim, so its producer may
+free the allocation and give its addresses to a new one. Seen on an H200, the
+new allocation's handle then differs from the old one's in its size bytes (the
+driver refuses to import it while the old mapping lives:
+``cudaErrorAlreadyMapped``), in one other byte, or not at all (the driver
+hands back the old mapping, which then held the new allocation's memory). So
+a mapping is reused only for the producer's same allocation (its buffer id is
+in the key), and before an import the idle mappings it collides with are
+unmapped.
 """
 
 from __future__ import annotations
@@ -42,11 +52,13 @@ __all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts
 
 # How memory other than a legacy handle's is mapped: (map() -> pointer, unmap(pointer), descriptors kept open).
 Importer = tuple[Callable[[], int], Callable[[int], None], int]
+# A legacy handle's memory as its sender knows it: (memory handle, sender's token, base address, size).
+Origin = tuple[bytes, bytes, int, int]
 
 
 class _Mapping:
     __slots__ = ("ptr", "device", "users", "imported", "close", "hold_claim", "held", "descriptors", "size",
-                 "seg")
+                 "seg", "origin")
 
     def __init__(self, ptr: int, device: int, imported: bool, close: Callable[[int], None] | None = None,
                  hold_claim: bool = False, descriptors: int = 0) -> None:
@@ -60,12 +72,16 @@ class _Mapping:
         self.descriptors = descriptors  # open while mapped (virtual memory: one per piece)
         self.size: int | None = None  # bytes checked mapped, for an import
         self.seg: _segment.Segment | None = None  # the producer's of the handle it was imported from
+        self.origin: Origin | None = None  # a legacy import's, to find idle mappings it collides with
 
     def unmap(self) -> None:
         if not self.imported:
             return
         runtime = _cuda.rt()
         try:
+            if self.close is None and runtime.getDevice() == self.device:  # the common case: no switch
+                runtime.ipcCloseMemHandle(self.ptr)
+                return
             with _cuda.using_device(self.device):
                 if self.close is not None:
                     self.close(self.ptr)
@@ -76,11 +92,11 @@ class _Mapping:
 
 
 class _Claim:
-    __slots__ = ("seg", "slot", "count")
+    __slots__ = ("seg", "lock", "count")
 
     def __init__(self, seg: _segment.Segment, slot: int) -> None:
         self.seg = seg
-        self.slot = slot
+        self.lock = _segment.in_use(slot)  # the slot's in-use lock, held while count > 0
         self.count = 0
 
 
@@ -209,43 +225,83 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
     if c.count == 0:
         del _claims[key]
         if c.seg.fd >= 0:
-            c.seg.unlock(_segment.in_use(c.slot))
+            c.seg.unlock(c.lock)
 
 
 # --- mappings ----------------------------------------------------------------
 def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
          own_ptr: int | None, importer: "Importer | None", hold_claim: bool = False,
-         segment: _segment.Segment | None = None) -> _Mapping:
-    m = _active.get(key) or _idle.get(key)  # a mapping is in use or idle, never both
+         segment: _segment.Segment | None = None, origin: Origin | None = None) -> _Mapping:
+    m = _active.get(key)  # a mapping is in use or idle, never both
     if m is not None:
-        _refuse_larger(m, allocation_size)  # before an idle one leaves its table
-        if _unpark(key) is not None and m.held is not None:
+        if m.size is not None and allocation_size > m.size:
+            _refuse_larger(m, allocation_size)
+    elif (m := _idle.get(key)) is not None:
+        _refuse_larger(m, allocation_size)  # before it leaves its table
+        _unpark(key)
+        if m.held is not None:
             _drop_held(m)  # the caller's claim protects the memory now
-    if m is None:
+    else:
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
         else:
-            _drop_idle_of_exited()
+            if _idle:
+                _drop_idle_of_exited()
             if importer is not None:
                 m = _checked(_Mapping(importer[0](), device, imported=True, close=importer[1],
                                       hold_claim=hold_claim, descriptors=importer[2]),
                              allocation_size, max(1, importer[2]))
             else:
-                m = _import(device, memory_handle, allocation_size)
+                m = _import(device, memory_handle, allocation_size, origin)
             m.seg = segment
     _active[key] = m
     m.users += 1
     return m
 
 
-def _import(device: int, memory_handle: bytes, allocation_size: int) -> _Mapping:
+def _import(device: int, memory_handle: bytes, allocation_size: int, origin: Origin | None = None) -> _Mapping:
+    """Open a legacy handle on ``device``, the current GPU."""
+    if origin is not None and _idle:
+        _drop_idle_colliding(device, origin)
     runtime = _cuda.rt()
-    with _cuda.using_device(device):
-        ptr = _cuda.call(
-            "opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
-            runtime.cudaIpcMemLazyEnablePeerAccess,
-        )
-    return _checked(_Mapping(ptr, device, imported=True), allocation_size)
+    try:
+        ptr = _cuda.call("opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
+                         runtime.cudaIpcMemLazyEnablePeerAccess)
+    except IpcError as e:
+        if e.cuda_error != "cudaErrorAlreadyMapped":
+            raise
+        # An idle mapping of an allocation the driver counts as this one (sent on by another process, say).
+        if not _drop_idle_colliding(device, None):
+            raise IpcError(
+                f"{e} (this process still maps an earlier allocation at the producer's addresses, through an "
+                "array in use: was it exported with keepalive=False and freed before this array was made?)",
+                cuda_error=e.cuda_error) from e
+        ptr = _cuda.call("opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
+                         runtime.cudaIpcMemLazyEnablePeerAccess)
+    m = _checked(_Mapping(ptr, device, imported=True), allocation_size)
+    m.origin = origin
+    return m
+
+
+def _drop_idle_colliding(device: int, origin: Origin | None) -> int:
+    """Unmap the idle legacy mappings on ``device`` that an import of ``origin`` collides with (every one if
+    ``None``); returns how many. The caller holds ``_lock``.
+
+    Those are the mappings of the same handle bytes, which the driver would hand back instead of mapping the
+    new allocation, and those of the sender's addresses that the new allocation overlaps: that memory was
+    freed (the new allocation took its place), and the driver refuses to map the new one beside it.
+    """
+    stale = []
+    for key, m in _idle.items():
+        old = m.origin
+        if old is None or m.device != device:
+            continue
+        if origin is None or old[0] == origin[0] or (
+                old[1] == origin[1] and old[2] < origin[2] + origin[3] and origin[2] < old[2] + old[3]):
+            stale.append(key)
+    for key in stale:
+        _discard(_unpark(key))  # type: ignore[arg-type]
+    return len(stale)
 
 
 def _drop_idle_of_exited() -> None:
@@ -321,14 +377,9 @@ def _forged(claimed: int, mapped: int) -> str:
         "forged or corrupt"
 
 
-def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> bool:
-    """One user fewer; True when an idle mapping took over ``claim_key`` (the caller must not release it)."""
-    m = _active.get(key)
-    if m is None:
-        return False
-    m.users -= 1
-    if m.users:
-        return False
+def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | None) -> bool:
+    """Mapping ``m`` has lost its last user: keep it idle or unmap it; True when the idle mapping took over
+    ``claim_key`` (the caller must not release it)."""
     del _active[key]
     if not m.imported:  # the producer's own memory: nothing to unmap or keep
         return False
@@ -340,7 +391,8 @@ def _drop_user(key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> boo
     if _idle_limit and (held or not m.hold_claim) and _released_before(key):
         m.held = claim_key if held else None
         _park(key, m)
-        _trim_idle()
+        if len(_idle) > _idle_limit or _idle_fds:
+            _trim_idle()
         return held
     # Other imports are unmapped here, before the claim goes: the producer may
     # free a pool allocation only once every importer has (CUDA's rule).
@@ -402,14 +454,20 @@ class Lease:
 
 
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> None:
+    """One user of a mapping, and its claim, fewer."""
     with _lock:
-        if not _drop_user(mapping_key, claim_key):
+        m = _active.get(mapping_key)
+        if m is not None:
+            m.users -= 1
+            if not m.users and _retire(mapping_key, m, claim_key):
+                return
+        if claim_key is not None:
             _unclaim(claim_key)
 
 
 def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int) -> None:
     try:
-        if _cuda.stream_idle(stream.ptr):  # the consumer's work on the memory is done
+        if _cuda.rt().streamQuery(stream.ptr) == 0:  # the consumer's work on the memory is done
             _finish(mapping_key, claim_key)
             return
         import cupy
@@ -455,8 +513,8 @@ def _reap(q: "queue.SimpleQueue[Any]") -> None:
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any, stream_device: int, memory_device: int,
-            importer: "Importer | None", hold_claim: bool) -> tuple[int, Lease]:
-    """Claim the export, map its allocation on ``device``; returns ``(pointer, lease)``.
+            importer: "Importer | None", hold_claim: bool, origin: Origin | None = None) -> tuple[int, Lease]:
+    """Claim the export, map its allocation on ``device`` (the current GPU); returns ``(pointer, lease)``.
 
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``) is
@@ -464,12 +522,13 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
     memory. ``importer`` maps and unmaps memory that is not a legacy
     handle's: ``(map() -> ptr, unmap(ptr), descriptors the mapping keeps
     open)``; ``hold_claim``: its mapping is kept idle only with the claim of
-    its last user (pool imports).
+    its last user (pool imports). ``origin`` is a legacy handle's (see
+    :data:`Origin`).
     """
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
         try:
-            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim, segment)
+            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim, segment, origin)
         except BaseException:
             _unclaim(claim_key)
             raise

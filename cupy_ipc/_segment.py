@@ -47,6 +47,7 @@ _LOCK_BASE = 1 << 40  # lock bytes live far past the data; locks need no backing
 ALIVE = _LOCK_BASE
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
 READ, WRITE, _UNLOCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
+_ALIVE_QUERY = _FLOCK.pack(WRITE, os.SEEK_SET, ALIVE, 1, 0)  # held_by_other(ALIVE)'s argument
 _OFD = hasattr(fcntl, "F_OFD_SETLK")
 
 
@@ -176,7 +177,7 @@ class Segment:
         return True
 
     def unlock(self, offset: int) -> None:
-        self.lock(offset, _UNLOCK)
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _FLOCK.pack(_UNLOCK, os.SEEK_SET, offset, 1, 0))  # never waits
 
     def held_by_other(self, offset: int) -> bool:
         """Whether another open file holds a lock that conflicts with a write lock here."""
@@ -195,6 +196,10 @@ class Segment:
 
     def opens(self, slot: int) -> int:
         """The ``opens`` count of a slot."""
+        at = _DATA_START + slot * _RECORD.size
+        mm = self.mm
+        if mm is not None and at + _RECORD.size <= len(mm):  # the common case, written out: every export
+            return _U32.unpack_from(mm, at + 8)[0]
         return self.read(slot)[1]
 
     def write(self, slot: int, export_id: int, state: int, opens: int = 0) -> None:
@@ -220,10 +225,26 @@ class Segment:
         when another consumer holds the slot) for one that admits several,
         whose count must be exact.
         """
-        held = in_use(slot)
-        if self.read(slot)[2] & ONE_CONSUMER:
-            self.lock(held, READ)
-            return self._count_or_unlock(slot, export_id)
+        held = _LOCK_BASE + 1 + 2 * slot  # in_use(slot)
+        at = _DATA_START + slot * _RECORD.size
+        mm = self.mm
+        if (mm is None or at + _RECORD.size > len(mm)) and not self._reach(at):
+            return False  # past the end: never written
+        mm = self.mm
+        if _RECORD.unpack_from(mm, at)[2] & ONE_CONSUMER:  # type: ignore[arg-type]
+            # The common case, written out: it runs on every open.
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(READ, os.SEEK_SET, held, 1, 0))
+            try:
+                seen, opens, state = _RECORD.unpack_from(mm, at)  # type: ignore[arg-type]
+                ok = seen == export_id and state & STATE == PINNED
+                if ok:
+                    _U32.pack_into(mm, at + 8, opens + 1)  # type: ignore[arg-type]
+            except BaseException:
+                self.unlock(held)
+                raise
+            if not ok:
+                self.unlock(held)
+            return ok
         if self.lock(held, WRITE, wait=False):
             # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
             if not self._count_or_unlock(slot, export_id):
@@ -262,9 +283,10 @@ class Segment:
         One lock call. Once marked, a slot that is still held stays marked until a later call frees it.
         """
         self.write_state(slot, REVOKED)
-        if self.held_by_other(in_use(slot)):
+        got = fcntl.fcntl(self.fd, fcntl.F_OFD_GETLK, _FLOCK.pack(WRITE, os.SEEK_SET, in_use(slot), 1, 0))
+        if _FLOCK.unpack(got)[0] != _UNLOCK:  # held_by_other(in_use(slot)), written out: every export
             return False
-        self.write(slot, 0, FREE)
+        _RECORD.pack_into(self.mm, _DATA_START + slot * _RECORD.size, 0, 0, FREE)  # type: ignore[arg-type]
         return True
 
 
@@ -307,7 +329,8 @@ def attach(token: bytes, pid: int) -> Segment:
             seg = _attached[token] = Segment.attach(token, pid=pid)
             if len(_attached) >= _prune_at:
                 _prune()
-        if not seg.producer_alive():
+        # seg.producer_alive(), written out: it runs on every open.
+        if _FLOCK.unpack(fcntl.fcntl(seg.fd, fcntl.F_OFD_GETLK, _ALIVE_QUERY))[0] == _UNLOCK:
             _drop(token, seg)
             if opened:  # nobody else has it yet
                 seg.close()

@@ -335,13 +335,18 @@ def pack_array(f: ArrayFields) -> bytes:
 
 # Validated static parts of received handles: a re-sent array parses once.
 _parsed: dict[bytes, ArrayFields] = {}
-_NO_EVENT = bytes(HANDLE_BYTES)
 _PARSED_MAX = 1024
+
+
+_ARRAY_START = ARRAY_MAGIC + struct.pack("<H", VERSION)
 
 
 def unpack_array(data: object) -> ArrayFields:
     """Parse and validate an array handle; only :class:`HandleError` escapes."""
-    raw = _header(data, ARRAY_MAGIC, "array handle", ARRAY_HEADER)
+    if type(data) is bytes and len(data) >= ARRAY_HEADER and data[:6] == _ARRAY_START:
+        raw = data  # what _header checks, for the common case
+    else:
+        raw = _header(data, ARRAY_MAGIC, "array handle", ARRAY_HEADER)
     flags = raw[7]
     if flags & ~_FLAGS:
         raise HandleError(f"unknown flag bits 0x{flags & ~_FLAGS:x}")
@@ -351,7 +356,7 @@ def unpack_array(data: object) -> ArrayFields:
         fields = _parse(raw)
         if len(_parsed) >= _PARSED_MAX:
             _parsed.clear()
-        _parsed[key] = with_export(fields, 0, 0, 0, _NO_EVENT)
+        _parsed[key] = fields  # (its export part is replaced by each later handle's)
         return fields
     return with_export(static, flags, *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT))
 

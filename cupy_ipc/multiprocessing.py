@@ -70,6 +70,7 @@ from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
 from ._events import IpcEvent, IpcEventHandle, export_event
 from ._identity import this_process
+from ._wire import Kind
 
 __all__ = [*_mp.__all__, "init_reductions", "set_message_lease"]  # noqa: PLE0604
 
@@ -191,12 +192,13 @@ def set_message_lease(seconds: float | None) -> float | None:
 
 @_errors_reach_the_receiver
 def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
-    _warn_if_fork_default()
+    if not _warned_fork:
+        _warn_if_fork_default()
     h = get_ipc_handle(array, lease=_message_lease)
     exports = getattr(_in_message, "exports", None)
     if exports is not None:
         exports.append(h)
-    if h._descriptors():
+    if h._f.kind in Kind.BY_DESCRIPTOR and h._descriptors():
         # Memory shared by descriptor: the receiver asks this process's descriptor server for them, over a
         # Unix socket (no ptrace permission needed), only when it lacks them: a pool it imported before
         # needs nothing more than these bytes.

@@ -206,3 +206,21 @@ def test_idle_mappings_of_a_producer_that_has_gone_are_unmapped_at_the_next_impo
     assert after["idle"] == 0 and after["claims"] == 0
     assert after["pools"] == before["pools"] - pool
     assert after["free_mem"] - before["free_mem"] >= 0.9 * 4 * n  # the gone producer's memory is free again
+
+
+@pytest.mark.parametrize("first, second", [(1 << 10, 1 << 18), (1 << 18, 1 << 18)],
+                         ids=["4KiB-then-1MiB", "same-size"])
+def test_a_new_allocation_at_the_addresses_of_an_idle_mapping_opens_as_itself(remote, first, second):
+    # An idle mapping holds no claim: the producer may free the buffer and the driver give its addresses to
+    # the next allocation. Seen on an H200, a larger one's handle differs from the old one in its size bytes
+    # alone, and the driver refused to map it beside the idle mapping (cudaErrorAlreadyMapped); one of the
+    # same size differs in one byte. The consumer must map the new allocation, read its values, and let the
+    # stale mapping go.
+    consumer, producer = remote(), remote()
+    got = consumer.call("open_each", producer.call("export_times", first, 1.0, 2))
+    assert [g["value"] for g in got] == [1.0, 1.0] and got[-1]["idle"] == 1
+    data, reused = producer.call("replace_exported", second, 2.0)
+    assert reused, "the new allocation did not take the freed addresses, so this case is not exercised"
+    out = consumer.call("open_each", [data])[0]
+    assert out["value"] == 2.0
+    assert out["idle"] == 0 and out["mapped"] == 0

@@ -391,6 +391,24 @@ def export_times(n: int, value: float, times: int, pool: bool = False) -> list[b
     return [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(times)]
 
 
+def replace_exported(n: int, value: float) -> tuple[bytes, bool]:
+    """Free the arrays this helper exported (their memory goes back to the driver once their pins end), then
+    export a new array of ``n`` float32 of ``value``; its handle, and whether the driver gave it the freed
+    addresses."""
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _cuda
+
+    old = {_cuda.legacy_info(a.data.ptr)[0] for a in _held.pop("exported", [])}
+    gc.collect()
+    cupy_ipc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    a = cupy.full(n, value, cupy.float32)
+    _held["exported"] = [a]
+    return cupy_ipc.get_ipc_handle(a).to_bytes(), _cuda.legacy_info(a.data.ptr)[0] in old
+
+
 def export_then_overwrite(n: int, keepalive: bool, rounds: int = 20) -> bytes:
     """Export an array of ones, drop it at once, then fill same-size arrays with 99s."""
     import cupy
