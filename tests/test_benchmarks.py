@@ -16,6 +16,7 @@ from cupy_ipc._cuda import unavailable_reason
 SUITE = pathlib.Path(__file__).parent.parent / "benchmarks" / "suite.py"
 STEPS = SUITE.parent / "steps.py"
 PAIRED = SUITE.parent / "paired.py"
+FLOOR = SUITE.parent / "floor.py"
 
 
 def _benchmark_module(name):
@@ -44,6 +45,25 @@ def test_without_a_gpu_the_step_timer_says_so():
         pytest.skip("a GPU is visible: the step timer's GPU run below runs instead")
     r = subprocess.run([sys.executable, str(STEPS)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("steps: no GPU:")
+
+
+def test_without_a_gpu_the_floor_prototype_says_so():
+    if unavailable_reason() is None:
+        pytest.skip("a GPU is visible: the floor prototype's GPU run below runs instead")
+    r = subprocess.run([sys.executable, str(FLOOR), "--methods", "raw,floor"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("roundtrip: no GPU:")
+
+
+@pytest.mark.gpu
+def test_the_floor_prototype_carries_messages_with_each_part():
+    methods = "raw,cupy_ipc,floor,floor-0,floor-A,floor-E,floor-L,floor-EL"
+    r = subprocess.run([sys.executable, str(FLOOR), "--sizes", "4KiB", "--methods", methods, "--iters", "6",
+                        "--rounds", "1", "--warmup", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for method in methods.split(","):  # the consumer read every message's value (roundtrip.py checks it)
+        for kind in ("fresh", "re-sent"):
+            assert re.search(rf"\| 4 KiB \| {kind} \| {re.escape(method)} \| \d", r.stdout), (method, kind)
 
 
 @pytest.mark.gpu
