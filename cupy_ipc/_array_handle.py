@@ -396,8 +396,8 @@ def _open_common(f: ArrayFields) -> Any:
     on the current GPU, which holds it, ordered on its current stream. ``None``, having done nothing, for
     any other case (the general path then opens it).
 
-    Flat because a message's Python costs several times its loop time (measured: a consumer woken by a
-    message runs it with cold caches), so every call left out of a message's path counts.
+    Flat because Python run once per message costs several times its loop time (measured on the H200
+    machines: benchmarks/RESULTS.md), so every call left out of a message's path counts.
     """
     import cupy
 
