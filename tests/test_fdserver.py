@@ -35,6 +35,17 @@ def _child(work, *, pipe_out: int) -> int:
     return pid
 
 
+def _child_line(work, r: int, w: int, *more: int) -> str:
+    """Run ``work`` in a forked child that writes to pipe ``w``; its line, read from ``r`` once the child has
+    exited. ``r``, ``w`` and the descriptors ``more`` are closed then."""
+    pid = _child(work, pipe_out=w)
+    line = _read_line(r)
+    os.waitpid(pid, 0)
+    for x in (r, w, *more):
+        os.close(x)
+    return line
+
+
 def _read_line(fd: int) -> str:
     data = b""
     while not data.endswith(b"\n"):
@@ -85,11 +96,7 @@ def test_a_child_fetches_an_allowed_descriptor_and_is_refused_others():
         (again,) = fetch(name, os.getppid(), [fd])  # the connection survives a refusal
         return f"{content}|{refused}|{_read(again).decode()}"
 
-    pid = _child(consumer, pipe_out=w)
-    line = _read_line(r)
-    os.waitpid(pid, 0)
-    for x in (r, w, fd):
-        os.close(x)
+    line = _child_line(consumer, r, w, fd)
     content, refused, again = line.split("|")
     assert content == "served" and again == "served", line
     assert "no longer shares this memory" in refused
@@ -257,11 +264,7 @@ def test_another_user_is_not_served(may_switch_user):  # noqa: F811
         except IpcError as e:
             return str(e)
 
-    pid = _child(consumer, pipe_out=w)
-    line = _read_line(r)
-    os.waitpid(pid, 0)
-    for x in (r, w, fd):
-        os.close(x)
+    line = _child_line(consumer, r, w, fd)
     assert "closed the connection" in line, line
 
 
@@ -349,11 +352,7 @@ def test_descriptors_dropped_at_the_open_file_limit_are_reported():
         (got,) = fetch(name, os.getppid(), [fd])  # the same connection, in step
         return f"{first}|{_read(got).decode()}"
 
-    pid = _child(consumer, pipe_out=w)
-    line = _read_line(r)
-    os.waitpid(pid, 0)
-    for x in (r, w, fd):
-        os.close(x)
+    line = _child_line(consumer, r, w, fd)
     first, again = line.split("|")
     assert "open-file limit" in first, line
     assert again == "served", line
