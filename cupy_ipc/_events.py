@@ -55,7 +55,7 @@ class IpcEvent:
         flags = runtime.eventInterprocess | runtime.eventDisableTiming
         if block:
             flags |= runtime.eventBlockingSync
-        device = _cuda.call("reading the current device", runtime.getDevice)
+        device = _cuda.current_device()
         ptr = _cuda.call("creating an interprocess event", runtime.eventCreateWithFlags, flags)
         self._adopt(ptr, device, block, None, opened=False)
 

@@ -225,7 +225,7 @@ class Segment:
         when another consumer holds the slot) for one that admits several,
         whose count must be exact.
         """
-        held = _LOCK_BASE + 1 + 2 * slot  # in_use(slot)
+        held = in_use(slot)
         at = _DATA_START + slot * _RECORD.size
         mm = self.mm
         if (mm is None or at + _RECORD.size > len(mm)) and not self._reach(at):
