@@ -25,11 +25,13 @@ from ._wire import (
     Kind,
     byte_extent,
     dtype_of,
+    layout_of,
     pack_array,
     splice,
     unpack_array,
     validate_array,
     validate_layout,
+    with_allocation,
     with_export,
 )
 
@@ -116,11 +118,11 @@ def _received_lease(owner: Any) -> "_mapping.Lease | None":
     return None
 
 
-# The validated fields of each live cupy.ndarray exported, and the wire form of
-# its first export: an array's pointer and allocation cannot change while it
-# lives (its layout can, by assigning its shape, which an export checks), so a
-# re-sent array costs no driver query, no validation and no packing (only its
-# export part is spliced in).
+# The validated fields and the wire form of an export of each live cupy.ndarray
+# exported: an array's pointer and allocation cannot change while it lives (its
+# layout can, by assigning its shape, which an export checks), so a re-sent
+# array costs no driver query, no validation and no packing (only its flags and
+# export part are spliced in).
 class _ById:
     """Values kept for live objects that cannot be hashed (arrays), dropped when the object is collected."""
 
@@ -147,7 +149,22 @@ class _ById:
         self._d.clear()
 
 
-_by_array = _ById()  # array -> (fields without an export part, wire form of one of its exports)
+_by_array = _ById()  # array -> (fields of one of its exports, that export's wire form)
+
+# The layouts of cudaMalloc arrays exported: (dtype, shape, strides, GPU) -> (reach, see validate_layout;
+# dtype, device and producer fields; the wire form's parts that do not change, see layout_of). A new
+# array of a known layout (each fresh buffer of a pipeline) is then checked in three comparisons and
+# packed in one join.
+_layouts: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_LAYOUTS_MAX = 1024
+
+
+def _remember_layout(arr: Any, fields: ArrayFields, reach: tuple[int, int, int] | None) -> None:
+    key = (arr.dtype, arr.shape, arr.strides, arr.data.device_id)
+    if key not in _layouts:
+        if len(_layouts) >= _LAYOUTS_MAX:
+            _layouts.clear()
+        _layouts[key] = (reach, fields.dtype, fields.device, fields.producer, layout_of(pack_array(fields)))
 
 
 def _template(arr: Any) -> ArrayFields:
@@ -163,7 +180,7 @@ def _template(arr: Any) -> ArrayFields:
         # Mapped here from the producer's pieces: sent on as this process's own
         # virtual memory, with the descriptors it imported them from.
         lease = None
-    kind, fd, resource, more = Kind.LEGACY, -1, 0, ()
+    kind, fd, resource, more, plain = Kind.LEGACY, -1, 0, (), False
     if lease is not None:
         # Opened from another process: send on the original allocation's
         # handle (or pool export data); this process pins the array, and with
@@ -176,6 +193,7 @@ def _template(arr: Any) -> ArrayFields:
     elif (legacy := _cuda.legacy_info(arr.data.ptr)) is not None:
         base, size, buffer_id = legacy
         memory_handle = _memory_handle(base, buffer_id)
+        plain = True
     else:
         info = _cuda.pointer_info(arr.data.ptr)
         if info.memory_type != "device":
@@ -209,7 +227,9 @@ def _template(arr: Any) -> ArrayFields:
         kind, 0, dtype, memory_handle, arr.data.ptr - base, size, base, buffer_id,
         _device_id(device), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides, fd, resource, more,
     )
-    validate_layout(fields)  # every other field comes from the driver and this process
+    reach = validate_layout(fields)  # every other field comes from the driver and this process
+    if plain:
+        _remember_layout(arr, fields, reach)
     return fields
 
 
@@ -314,10 +334,19 @@ def get_ipc_handle(
     hit = _by_array.get(arr)
     if hit is not None and (hit[0].shape != arr.shape or hit[0].strides != arr.strides):
         hit = None
-    template, static = hit or (_template(arr), None)
+    if hit is not None:
+        template, static = hit
+    else:
+        if keepalive and sync and consumers == 1 and lease is None and array is arr:
+            h = _export_common(arr, stream)
+            if h is not None:
+                return h
+        template, static = _template(arr), None
     if not (keepalive or sync):
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
-        return IpcArrayHandle._make(template, static or _first_wire(arr, array is arr, template, template))
+        if static is None:
+            return IpcArrayHandle._make(template, _first_wire(arr, array is arr, template, template))
+        return IpcArrayHandle._make(with_export(template, 0, 0, 0, _NO_HANDLE), splice(static, 0, 0, 0, _NO_HANDLE))
     device = arr.data.device_id  # where the producer's stream and its event live
     pin = (array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
            device, consumers, lease, _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
@@ -336,6 +365,42 @@ def get_ipc_handle(
         wire = _first_wire(arr, array is arr, template, fields)
     else:
         wire = splice(static, flags, export_id, slot, event)
+    return IpcArrayHandle._make(fields, wire)
+
+
+def _export_common(arr: Any, stream: Any) -> "IpcArrayHandle | None":
+    """The first export of nearly every array, written out flat: CuPy's ``cudaMalloc`` memory of a layout
+    exported before, on the current GPU, kept alive and ordered for one consumer. ``None``, having done
+    nothing, for any other case (the general path then exports it, or says what is wrong).
+
+    Flat for the reason :func:`_open_common` is.
+    """
+    data = arr.data
+    device = data.device_id
+    shape, strides = arr.shape, arr.strides
+    known = _layouts.get((arr.dtype, shape, strides, device))
+    if known is None or isinstance(getattr(data.mem, "_owner", None), _mapping.Lease):
+        return None  # a new layout, or an array opened here (sent on as the original allocation)
+    ptr = data.ptr
+    legacy = _cuda.legacy_info(ptr)
+    if legacy is None or _cuda.current_device() != device:
+        return None
+    base, size, buffer_id = legacy
+    offset = ptr - base
+    (lo, hi, align), dtype, device_id, producer, layout = known
+    if offset % align or offset + lo < 0 or offset + hi > size:
+        return None
+    memory_handle = _handle_cache.get(buffer_id) or _memory_handle(base, buffer_id)
+    export_id, slot, event = _keepalive.pin(arr, (base, size, buffer_id), device, 1, None,
+                                            _cuda.stream_ptr(stream), (shape, dtype))
+    if event is None:
+        flags, event = FLAG_KEEPALIVE, _NO_HANDLE
+    else:
+        flags = FLAG_KEEPALIVE | FLAG_EVENT
+    fields = ArrayFields(Kind.LEGACY, flags, dtype, memory_handle, offset, size, base, buffer_id, device_id,
+                         producer, export_id, slot, event, shape, strides)
+    wire = with_allocation(layout, flags, memory_handle, offset, size, base, buffer_id, export_id, slot, event)
+    _by_array.set(arr, (fields, wire))
     return IpcArrayHandle._make(fields, wire)
 
 
@@ -381,7 +446,8 @@ def open_info(array: Any) -> OpenInfo | None:
 
 
 def _forget_after_fork() -> None:
-    _by_array.clear()  # the templates carry the parent's identity
+    _by_array.clear()  # the templates and layouts carry the parent's identity
+    _layouts.clear()
     _opened_unmapped.clear()
     _pools.forget()
     _vmm.forget()

@@ -27,12 +27,14 @@ __all__ = [
     "EventFields",
     "Kind",
     "byte_extent",
+    "layout_of",
     "pack_array",
     "pack_event",
     "unpack_array",
     "unpack_event",
     "validate_array",
     "validate_layout",
+    "with_allocation",
 ]
 
 VERSION = 1
@@ -65,6 +67,9 @@ _BODY = struct.Struct("<4sHBBB4s64sQQQQ")
 _ORIGIN = struct.Struct("<i16si16s16s32s")
 _DYNAMIC = struct.Struct("<QI64s")
 _DYNAMIC_AT = _BODY.size + _ORIGIN.size
+# Within the body, the allocation's fields: memory handle, offset, allocation size, base address, buffer id.
+_ALLOCATION = struct.Struct("<64sQQQQ")
+_ALLOCATION_AT = _BODY.size - _ALLOCATION.size
 _ARRAY = struct.Struct(_BODY.format + _ORIGIN.format[1:] + _DYNAMIC.format[1:])
 _EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
 _FLAGS = FLAG_KEEPALIVE | FLAG_EVENT
@@ -234,8 +239,12 @@ def validate_array(f: ArrayFields) -> None:
     validate_layout(f)
 
 
-def validate_layout(f: ArrayFields) -> None:
-    """The safety checks alone, for fields whose widths the wire format or the driver already bound."""
+def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
+    """The safety checks alone, for fields whose widths the wire format or the driver already bound.
+
+    Returns ``(lowest, one past the highest byte, alignment)`` the array reaches relative to its first
+    element, what the checks of another allocation of the same layout need (``None`` for an empty one).
+    """
     if f.kind not in Kind.names:
         raise HandleError(f"unknown memory kind {f.kind}")
     if f.flags & ~_FLAGS:
@@ -248,7 +257,7 @@ def validate_layout(f: ArrayFields) -> None:
     if f.kind == Kind.EMPTY:
         if 0 not in shape:
             raise HandleError(f"an empty handle must have a size-0 shape, not {shape}")
-        return
+        return None
     if 0 in shape:
         raise HandleError(f"shape {shape} has no elements, so the handle kind must be empty")
     if f.kind in Kind.BY_DESCRIPTOR and (f.fd < 0 or f.resource == 0):
@@ -276,6 +285,7 @@ def validate_layout(f: ArrayFields) -> None:
             f"shape {shape} with strides {strides} at offset {offset} reaches bytes "
             f"[{offset + lo}, {offset + hi}), outside the {f.allocation_size}-byte allocation"
         )
+    return lo, hi, align
 
 
 def _header(data: object, magic: bytes, what: str, minimum: int) -> bytes:
@@ -318,6 +328,21 @@ def splice(static: bytes, flags: int, export_id: int, slot: int, event_handle: b
                      _DYNAMIC.pack(export_id, slot, event_handle), static[ARRAY_HEADER:]))
 
 
+def layout_of(wire: bytes) -> tuple[bytes, bytes, bytes, bytes]:
+    """The parts of an array handle's wire form that another allocation of its layout shares (every
+    part but the flags, the allocation's fields and the export part), for :func:`with_allocation`."""
+    return wire[:7], wire[8:_ALLOCATION_AT], wire[_BODY.size:_DYNAMIC_AT], wire[ARRAY_HEADER:]
+
+
+def with_allocation(layout: tuple[bytes, bytes, bytes, bytes], flags: int, memory_handle: bytes, offset: int,
+                    allocation_size: int, base_ptr: int, buffer_id: int, export_id: int, slot: int,
+                    event_handle: bytes) -> bytes:
+    """The wire form of a handle of ``layout`` (see :func:`layout_of`) for another allocation and export."""
+    return b"".join((layout[0], bytes((flags,)), layout[1],
+                     _ALLOCATION.pack(memory_handle, offset, allocation_size, base_ptr, buffer_id),
+                     layout[2], _DYNAMIC.pack(export_id, slot, event_handle), layout[3]))
+
+
 def pack_array(f: ArrayFields) -> bytes:
     ndim = len(f.shape)
     head = _ARRAY.pack(
@@ -333,9 +358,12 @@ def pack_array(f: ArrayFields) -> bytes:
     return head + struct.pack(f"<{2 * ndim}q", *f.shape, *f.strides) + tail
 
 
-# Validated static parts of received handles: a re-sent array parses once.
-_parsed: dict[bytes, ArrayFields] = {}
-_PARSED_MAX = 1024
+# Received layouts: all of a handle but its flags, its allocation's fields and its export part (kind,
+# dtype, device, producer, extents, strides, descriptor record) -> the fields of a handle of that
+# layout, validated, and the reach its allocations are checked against. A new allocation of a known
+# layout (each fresh buffer of a pipeline) and a re-sent array then parse in a few comparisons.
+_layouts: dict[bytes, tuple[ArrayFields, tuple[int, int, int] | None]] = {}
+_LAYOUTS_MAX = 1024
 
 
 _ARRAY_START = ARRAY_MAGIC + struct.pack("<H", VERSION)
@@ -350,15 +378,22 @@ def unpack_array(data: object) -> ArrayFields:
     flags = raw[7]
     if flags & ~_FLAGS:
         raise HandleError(f"unknown flag bits 0x{flags & ~_FLAGS:x}")
-    key = raw[:7] + raw[8:_DYNAMIC_AT] + raw[ARRAY_HEADER:]
-    static = _parsed.get(key)
-    if static is None:
-        fields = _parse(raw)
-        if len(_parsed) >= _PARSED_MAX:
-            _parsed.clear()
-        _parsed[key] = fields  # (its export part is replaced by each later handle's)
+    key = raw[:7] + raw[8:_ALLOCATION_AT] + raw[_BODY.size:_DYNAMIC_AT] + raw[ARRAY_HEADER:]
+    hit = _layouts.get(key)
+    if hit is None:
+        fields, reach = _parse(raw)
+        if len(_layouts) >= _LAYOUTS_MAX:
+            _layouts.clear()
+        _layouts[key] = (fields, reach)
         return fields
-    return with_export(static, flags, *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT))
+    f, reach = hit
+    mem, offset, size, base, buffer_id = _ALLOCATION.unpack_from(raw, _ALLOCATION_AT)
+    fields = ArrayFields(f.kind, flags, f.dtype, mem, offset, size, base, buffer_id, f.device, f.producer,
+                         *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT), f.shape, f.strides, f.fd, f.resource, f.more)
+    # What validate_layout checks of another allocation (its pieces' sizes too, for virtual memory).
+    if reach is not None and (offset % reach[2] or offset + reach[0] < 0 or offset + reach[1] > size or f.more):
+        validate_layout(fields)
+    return fields
 
 
 # The device and producer of received handles by their bytes: a producer's
@@ -393,7 +428,8 @@ def _dtype_field(raw: bytes) -> np.dtype:
     raise HandleError(f"dtype field {raw!r} is not written as NumPy's dtype.str {canonical!r}")
 
 
-def _parse(raw: bytes) -> ArrayFields:
+def _parse(raw: bytes) -> tuple[ArrayFields, tuple[int, int, int] | None]:
+    """The fields of a handle, validated, and their reach (see :func:`validate_layout`)."""
     _, _, kind, flags, ndim, dtype, mem, offset, size, base, buffer_id = _BODY.unpack_from(raw)
     if ndim > MAX_NDIM:
         raise HandleError(f"{ndim} dimensions; at most {MAX_NDIM} are allowed")
@@ -420,8 +456,7 @@ def _parse(raw: bytes) -> ArrayFields:
         kind, flags, dt, mem, offset, size, base, buffer_id, device, producer, export_id, slot,
         event, dims[:ndim], dims[ndim:], fd, resource, more,
     )
-    validate_layout(fields)  # the struct bounds every width and range
-    return fields
+    return fields, validate_layout(fields)  # the struct bounds every width and range
 
 
 def pack_event(f: EventFields) -> bytes:

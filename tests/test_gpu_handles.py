@@ -83,6 +83,32 @@ def test_two_arrays_from_one_pool_block_open_to_their_own_data(consumer):
     assert (out_a == 1).all() and (out_b == 2).all()
 
 
+def test_new_arrays_of_an_exported_layout_open_to_their_own_data(consumer):
+    # An export checks a layout in full the first time; new arrays of that layout (each fresh buffer of a
+    # pipeline) take a shorter path, which must give the same handles.
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _array_handle
+
+    arrays = []
+    for k in range(4):
+        base = cupy.arange(64, dtype=cupy.float64) + 100 * k
+        arrays += [base[::-2], base[1:33]]  # reaching backwards from the first element, and at an offset
+    handles = [cupy_ipc.get_ipc_handle(a) for a in arrays]
+    for a in arrays[:2]:  # known layouts, which is what the later exports were checked against
+        assert (a.dtype, a.shape, a.strides, a.data.device_id) in _array_handle._layouts
+    for h, a in zip(handles, arrays):
+        assert cupy_ipc.IpcArrayHandle.from_bytes(h.to_bytes()) == h
+        assert (h.shape, h.strides) == (a.shape, a.strides)
+    for (h1, h2), (a1, a2) in zip(zip(handles[::2], handles[1::2]), zip(arrays[::2], arrays[1::2])):
+        assert h1.memory_handle == h2.memory_handle  # views of one base: their offsets tell them apart
+        assert h2.offset - h1.offset == a2.data.ptr - a1.data.ptr
+    outs = consumer.call("read_many", [h.to_bytes() for h in handles])
+    for out, a in zip(outs, arrays):
+        np.testing.assert_array_equal(out, cupy.asnumpy(a))
+
+
 def test_consumer_writes_are_seen_by_the_producer(consumer):
     import cupy
 
@@ -227,6 +253,25 @@ def test_an_array_reshaped_in_place_is_exported_with_its_new_shape(consumer):
     np.testing.assert_array_equal(consumer.call("read", h.to_bytes()), np.arange(6, dtype=np.float32).reshape(2, 3))
 
 
+@pytest.mark.parametrize("first, then", [({}, {"keepalive": False, "sync": False}),
+                                         ({"keepalive": False, "sync": False}, {})])
+def test_an_array_exported_again_with_other_options_carries_only_its_own(consumer, first, then):
+    # An array's later exports reuse the wire form of its first: each must still say its own options.
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.arange(6, dtype=cupy.float32)
+    cupy.cuda.get_current_stream().synchronize()
+    handles = [cupy_ipc.get_ipc_handle(a, **first), cupy_ipc.get_ipc_handle(a, **then)]
+    for h, options in zip(handles, (first, then)):
+        assert cupy_ipc.IpcArrayHandle.from_bytes(h.to_bytes()) == h
+        assert h.keepalive is options.get("keepalive", True)
+        np.testing.assert_array_equal(consumer.call("read", h.to_bytes()), np.arange(6, dtype=np.float32))
+    for h in handles:
+        h.release()
+
+
 def test_handle_from_another_host_is_refused_before_cuda(consumer):
     import cupy
 
@@ -335,3 +380,31 @@ def test_device_uuids_are_whole():
         assert uuid.startswith(bytes(cupy.cuda.runtime.getDeviceProperties(i)["uuid"]))
         if listing is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
             assert f"GPU-{_uuid_text(uuid)}" in listing
+
+
+def test_the_pointer_queries_agree_with_cuda_bindings(monkeypatch):
+    # The export's and the mapped-size check's queries go to libcuda directly; cuda-bindings must say the same.
+    import cupy
+
+    from cupy_ipc import IpcError, _cuda
+
+    plain = cupy.empty(1000, cupy.float32)
+    with cupy.cuda.using_allocator(cupy.cuda.MemoryAsyncPool().malloc):
+        pooled = cupy.empty(1000, cupy.float32)  # stream-ordered: no legacy IPC
+    host = np.zeros(4)
+    pointers = [plain.data.ptr, plain[10:].data.ptr, pooled.data.ptr, host.ctypes.data]
+
+    def answers():
+        ranges = [_cuda.address_range(p) for p in pointers[:3]]
+        with pytest.raises(IpcError):
+            _cuda.address_range(host.ctypes.data)
+        return [_cuda.legacy_info(p) for p in pointers], ranges
+
+    assert _cuda._queries() is not None  # libcuda loads here: its answers are the ones compared
+    direct = answers()
+    monkeypatch.setattr(_cuda, "_queries", lambda: None)
+    assert answers() == direct
+    (whole, inside, pool, on_host), ranges = direct
+    assert whole is not None and whole == inside and whole[0] <= plain.data.ptr < whole[0] + whole[1]
+    assert pool is None and on_host is None
+    assert ranges[0] == ranges[1] == whole[:2] and ranges[2][0] <= pooled.data.ptr

@@ -427,6 +427,86 @@ def test_virtual_memory_in_pieces_round_trips_and_bad_pieces_are_refused():
     rejected("reserved bytes of a piece record", IpcArrayHandle.from_bytes, data[:-12] + b"\1" + data[-11:])
 
 
+# --- a layout parsed before: each new allocation and export is checked as in a first handle ------------------
+def parsed_fresh(data):
+    """``from_bytes(data)`` as a first handle of its layout would parse (or the HandleError it raises)."""
+    from cupy_ipc import _wire
+
+    _wire._layouts.clear()
+    try:
+        return IpcArrayHandle.from_bytes(data)
+    except HandleError as e:
+        return str(e)
+
+
+def parsed_known(data, known):
+    """``from_bytes(data)`` right after ``known``, a handle of the same layout, was parsed."""
+    IpcArrayHandle.from_bytes(known)
+    try:
+        return IpcArrayHandle.from_bytes(data)
+    except HandleError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("values", [
+    {"offset": 2, "allocation_size": 64},  # misaligned
+    {"allocation_size": 31},  # one byte short
+    {"offset": 4},  # shifted past the end
+    {"offset": 2**64 - 4, "allocation_size": 2**64 - 1},  # no wraparound
+    {"offset": 32, "allocation_size": 64, "base_ptr": 7, "buffer_id": 9, "flags": 3, "export_id": 5, "slot": 2},
+])
+def test_a_known_layout_checks_each_allocation_as_a_first_handle(values):
+    data = patched(VALID, ARRAY_FIELDS, **values)
+    got = parsed_known(data, VALID)
+    assert got == parsed_fresh(data)
+    if "flags" in values:  # accepted, with this handle's own allocation and export fields
+        assert (got._f.offset, got._f.base_ptr, got._f.export_id, got.keepalive) == (32, 7, 5, True)
+
+
+def test_a_known_layout_reaching_backwards_checks_each_allocation():
+    known = with_dims(patched(VALID, ARRAY_FIELDS, offset=16, allocation_size=24), (3,), (-8,))
+    assert IpcArrayHandle.from_bytes(known).offset == 16
+    for offset, size in ((8, 24), (16, 19), (12, 64), (20, 28)):
+        data = with_dims(patched(VALID, ARRAY_FIELDS, offset=offset, allocation_size=size), (3,), (-8,))
+        assert parsed_known(data, known) == parsed_fresh(data)
+    assert isinstance(parsed_known(data, known), IpcArrayHandle)  # (20, 28) fits
+
+
+def test_a_known_layout_in_pieces_checks_each_allocation_size():
+    known = IpcArrayHandle(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=64, shape=(4, 2), strides=(8, 4),
+                           dtype="float32", device=(0, UUID), producer=PRODUCER, kind=Kind.VMM, fd=7, resource=3,
+                           more=((8, 20), (9, 20))).to_bytes()
+    for size in (41, 40, 32):  # the array's 32 bytes fit each, the further pieces' 40 leave no first piece in two
+        data = patched(known, ARRAY_FIELDS, allocation_size=size)
+        got = parsed_known(data, known)
+        assert got == parsed_fresh(data)
+        assert isinstance(got, IpcArrayHandle) is (size == 41)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(1, 4), st.integers(-24, 24)), min_size=1, max_size=3),
+    st.sampled_from(["int8", "int16", "float32", "float64", "complex64", "complex128"]),
+    st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 255),
+)
+def test_a_known_layout_parses_any_allocation_as_a_first_handle(dims, dtype, offset, allocation_size, flags):
+    # The first handle of a layout, a valid one, makes it known; any other allocation and flags must then
+    # give what a first handle gives: the same handle, or the same refusal.
+    from cupy_ipc._wire import byte_extent
+
+    shape = tuple(n for n, _ in dims)
+    strides = tuple(step for _, step in dims)
+    itemsize = np.dtype(dtype).itemsize
+    lo, hi = byte_extent(shape, strides, itemsize)
+    first = -lo + (-lo) % 16  # far enough in, and aligned for every dtype
+    try:
+        known = make(shape, strides, dtype, first, first + hi).to_bytes()
+    except HandleError:
+        return  # a misaligned stride: no layout to know
+    data = patched(known, ARRAY_FIELDS, offset=offset, allocation_size=allocation_size, flags=flags)
+    assert parsed_known(data, known) == parsed_fresh(data)
+
+
 # --- lengths of the byte fields in the constructor ----------------------------------------------------------
 @pytest.mark.parametrize("length", [0, 16, 63, 65, 128])
 def test_memory_handle_of_wrong_length(length):
