@@ -311,3 +311,6 @@ def drop_cached(token: bytes | None = None) -> None:
     with _opened_lock:
         for key in [k for k in _opened if token is None or k[0] == token]:
             _opened.pop(key).close()
+
+
+_segment.when_exited(drop_cached)  # an exited producer's events are never recorded again

@@ -29,11 +29,12 @@ import os
 import struct
 import tempfile
 import threading
+from typing import Callable
 
-from ._errors import IpcError, ProducerExitedError
+from ._errors import IpcError, ProducerExitedError, warn_quietly
 
-__all__ = ["Segment", "attach", "own_segment", "segment_path", "FREE", "PINNED", "REVOKED", "ONE_CONSUMER", "READ",
-           "WRITE"]
+__all__ = ["Segment", "attach", "own_segment", "segment_path", "when_exited", "FREE", "PINNED", "REVOKED",
+           "ONE_CONSUMER", "READ", "WRITE"]
 
 FREE, PINNED, REVOKED = 0, 1, 2
 STATE = 0xFF  # the state's bits of a record's state field
@@ -338,6 +339,16 @@ def attach(token: bytes, pid: int) -> Segment:
     return seg
 
 
+# What other tables keep of a producer (the ordering events opened from its handles) and let go of once
+# it is seen to have exited: functions of its token.
+_on_exit: list[Callable[[bytes], None]] = []
+
+
+def when_exited(forget: Callable[[bytes], None]) -> None:
+    """Have ``forget(token)`` called whenever a producer is found to have exited."""
+    _on_exit.append(forget)
+
+
 def _drop(token: bytes, seg: Segment) -> None:
     # Out of the table and its stale file removed; the descriptors close with
     # the last reference (a claim, or a thread between attach and claim).
@@ -346,6 +357,11 @@ def _drop(token: bytes, seg: Segment) -> None:
         os.unlink(seg.path)
     except OSError:
         pass
+    for forget in _on_exit:
+        try:
+            forget(token)
+        except Exception as e:  # the caller is reporting the exit: that must not fail
+            warn_quietly(f"could not let go of what was kept of an exited producer: {e}")
 
 
 def _prune() -> None:

@@ -159,6 +159,23 @@ def test_open_after_producer_sigkill_fails_fast(remote):
     assert consumer.call("read_first", _local_handle()) == 1
 
 
+def test_the_cached_events_of_a_producer_found_exited_are_destroyed(remote):
+    # A consumer keeps the ordering events it opened from a producer's handles, for its later messages; an
+    # open that finds the producer gone destroys them (they can never be recorded again).
+    import cupy_ipc
+
+    producer, consumer = remote(), remote()
+    data = producer.call("export_after_spin", N, 0.5, True)  # exported while its stream was busy
+    assert cupy_ipc.IpcArrayHandle.from_bytes(data).synced
+    assert consumer.call("read_first", data) == 7
+    assert consumer.call("state")["events"] == 1
+    producer.kill()
+    kind, _, _ = consumer.call("open_error", data)
+    assert kind == "ProducerExitedError"
+    assert consumer.call("state")["events"] == 0
+    assert consumer.call("read_first", _local_handle()) == 1
+
+
 def _local_handle() -> bytes:
     import cupy
 

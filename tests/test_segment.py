@@ -145,6 +145,26 @@ def test_module_attach_raises_and_removes_stale_file_after_sigkill(token, start)
     assert info.value.pid == p.pid
 
 
+def test_what_is_kept_of_a_producer_is_let_go_when_it_is_found_exited(token, start, monkeypatch):
+    # The ordering events opened from a producer's handles are kept for its later messages: once an open
+    # finds it gone, the tables that keep things of it are told (a failing one does not stop the others).
+    told = []
+
+    def fails(gone):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(_segment, "_on_exit", [])
+    _segment.when_exited(fails)
+    _segment.when_exited(told.append)
+    p = start(_create_and_hold, token)
+    _segment.attach(token, p.pid)
+    assert told == []
+    kill(p)
+    with pytest.warns(RuntimeWarning, match="exited producer: boom"), pytest.raises(ProducerExitedError):
+        _segment.attach(token, p.pid)
+    assert told == [token]
+
+
 def test_attach_to_missing_segment_raises_producer_exited(token):
     with pytest.raises(ProducerExitedError, match="pid 4321") as info:
         Segment.attach(token, pid=4321)
