@@ -94,6 +94,21 @@ def test_round_trip_layouts(layout):
     assert h2.offset == layout.get("offset", 0)
 
 
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("kind", [Kind.LEGACY, Kind.POOL])
+def test_a_layout_joined_with_another_allocation_and_export_is_their_wire_form(layout, kind):
+    # How an export of a known layout is packed: the first array's unchanging bytes around the new fields.
+    from cupy_ipc._wire import layout_of, pack_array, with_allocation, with_export
+
+    f = make(**layout)._f._replace(kind=kind, fd=5 if kind == Kind.POOL else -1, resource=9 if kind else 0)
+    other = with_export(f._replace(memory_handle=EVENT_HANDLE, offset=f.offset + 64, allocation_size=1 << 40,
+                                   base_ptr=0x7F00_0000_0000, buffer_id=77), 3, 12, 4, MEMORY_HANDLE)
+    joined = with_allocation(layout_of(pack_array(f)), 3, EVENT_HANDLE, f.offset + 64, 1 << 40, 0x7F00_0000_0000,
+                             77, 12, 4, MEMORY_HANDLE)
+    assert joined == pack_array(other)
+    assert IpcArrayHandle.from_bytes(joined)._f == other
+
 @pytest.mark.parametrize("ndim", range(65))
 def test_round_trip_every_ndim(ndim):
     shape = tuple(2 if i % 16 == 0 else 1 for i in range(ndim))
