@@ -342,24 +342,23 @@ def get_ipc_handle(
             if h is not None:
                 return h
         template, static = _template(arr), None
-    if not (keepalive or sync):
-        _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
-        if static is None:
-            return IpcArrayHandle._make(template, _first_wire(arr, array is arr, template, template))
-        return IpcArrayHandle._make(with_export(template, 0, 0, 0, _NO_HANDLE), splice(static, 0, 0, 0, _NO_HANDLE))
-    device = arr.data.device_id  # where the producer's stream and its event live
-    pin = (array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
-           device, consumers, lease, _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
-    if _cuda.current_device() == device:
-        export_id, slot, event = _keepalive.pin(*pin)
-    else:
-        with _cuda.using_device(device):
+    if keepalive or sync:
+        device = arr.data.device_id  # where the producer's stream and its event live
+        pin = (array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
+               device, consumers, lease, _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
+        if _cuda.current_device() == device:
             export_id, slot, event = _keepalive.pin(*pin)
-    flags = FLAG_KEEPALIVE if keepalive else 0
-    if event is not None:
-        flags |= FLAG_EVENT
-    else:
-        event = _NO_HANDLE
+        else:
+            with _cuda.using_device(device):
+                export_id, slot, event = _keepalive.pin(*pin)
+        flags = FLAG_KEEPALIVE if keepalive else 0
+        if event is not None:
+            flags |= FLAG_EVENT
+        else:
+            event = _NO_HANDLE
+    else:  # no export part
+        _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
+        flags, export_id, slot, event = 0, 0, 0, _NO_HANDLE
     fields = with_export(template, flags, export_id, slot, event)
     if static is None:
         wire = _first_wire(arr, array is arr, template, fields)
@@ -390,7 +389,7 @@ def _export_common(arr: Any, stream: Any) -> "IpcArrayHandle | None":
     (lo, hi, align), dtype, device_id, producer, layout = known
     if offset % align or offset + lo < 0 or offset + hi > size:
         return None
-    memory_handle = _handle_cache.get(buffer_id) or _memory_handle(base, buffer_id)
+    memory_handle = _memory_handle(base, buffer_id)
     export_id, slot, event = _keepalive.pin(arr, (base, size, buffer_id), device, 1, None,
                                             _cuda.stream_ptr(stream), (shape, dtype))
     if event is None:
