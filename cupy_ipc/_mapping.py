@@ -311,12 +311,13 @@ def _drop_idle_of_exited() -> None:
     mapping only keeps the memory allocated (the driver frees it with the
     last mapping anywhere) and, for virtual memory, its descriptors open.
     Looked for before each import: one liveness check per producer with idle
-    mappings. A pool imported from such a producer is let go with them.
+    mappings. A pool imported from such a producer is let go with them, and
+    so is what other tables keep of it (see :func:`_segment.when_exited`).
     """
     if not _idle:
         return
     alive: dict[int, bool] = {}
-    gone = []
+    gone, exited = [], []
     for key, m in _idle.items():
         seg = m.seg
         if seg is None or seg.fd < 0:
@@ -328,6 +329,8 @@ def _drop_idle_of_exited() -> None:
             except OSError:  # cannot tell: keep it (an eviction or collect() still ends it)
                 ok = True
             alive[id(seg)] = ok
+            if not ok:
+                exited.append(seg)
         if not ok:
             gone.append(key)
     pools = False
@@ -337,6 +340,8 @@ def _drop_idle_of_exited() -> None:
         _discard(m)  # type: ignore[arg-type]
     if pools:
         _pools.release_exited()
+    for seg in exited:  # what other tables keep of those producers (their events) goes too
+        _segment.found_exited(seg)
 
 
 def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:

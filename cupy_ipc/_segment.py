@@ -33,8 +33,8 @@ from typing import Callable
 
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 
-__all__ = ["Segment", "attach", "own_segment", "segment_path", "when_exited", "FREE", "PINNED", "REVOKED",
-           "ONE_CONSUMER", "READ", "WRITE"]
+__all__ = ["Segment", "attach", "found_exited", "own_segment", "segment_path", "when_exited", "FREE", "PINNED",
+           "REVOKED", "ONE_CONSUMER", "READ", "WRITE"]
 
 FREE, PINNED, REVOKED = 0, 1, 2
 STATE = 0xFF  # the state's bits of a record's state field
@@ -347,6 +347,15 @@ _on_exit: list[Callable[[bytes], None]] = []
 def when_exited(forget: Callable[[bytes], None]) -> None:
     """Have ``forget(token)`` called whenever a producer is found to have exited."""
     _on_exit.append(forget)
+
+
+def found_exited(seg: Segment) -> None:
+    """``seg``'s producer was found to have exited by another table that keeps it (an idle mapping's): forget
+    the producer as :func:`attach` does when it finds one gone."""
+    with _attach_lock:
+        token = next((t for t, s in _attached.items() if s is seg), None)
+        if token is not None:  # (else a prune or an attach dropped it already)
+            _drop(token, seg)
 
 
 def _drop(token: bytes, seg: Segment) -> None:

@@ -399,14 +399,17 @@ def test_only_an_export_for_several_consumers_counts_under_the_mutex(token, cons
 
 def test_idle_mappings_of_a_producer_that_has_gone_are_dropped_before_an_import(token, start, monkeypatch):
     # The consumer's table with real producer segments: before each import, the idle mappings of
-    # producers that have exited are let go (they can never be opened again), the others stay.
+    # producers that have exited are let go (they can never be opened again), the others stay; and the
+    # other tables are told of the exit (its cached events go), as when an open finds a producer gone.
     import collections
 
     from cupy_ipc import _mapping
 
     other = secrets.token_bytes(16)
     gone, alive = start(_create_and_hold, token), start(_create_and_hold, other)
-    segs = {token: Segment.attach(token, pid=gone.pid), other: Segment.attach(other, pid=alive.pid)}
+    told = []
+    monkeypatch.setattr(_segment, "_on_exit", [told.append])
+    segs = {token: _segment.attach(token, gone.pid), other: _segment.attach(other, alive.pid)}
     discarded = []
     monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
     monkeypatch.setattr(_mapping, "_discard", lambda m: discarded.append(m.ptr))  # (unmapping needs a GPU)
@@ -417,13 +420,15 @@ def test_idle_mappings_of_a_producer_that_has_gone_are_dropped_before_an_import(
     try:
         with _mapping._lock:
             _mapping._drop_idle_of_exited()
-        assert discarded == [] and len(_mapping._idle) == 3
+        assert discarded == [] and len(_mapping._idle) == 3 and told == []
         kill(gone)
         with _mapping._lock:
             _mapping._drop_idle_of_exited()
         assert discarded == [1, 3] and list(_mapping._idle) == [("key", 2)]
+        assert told == [token] and token not in _segment._attached and other in _segment._attached
     finally:
-        for seg in segs.values():
+        for t, seg in segs.items():
+            _segment._attached.pop(t, None)
             seg.close()
         alive.kill()
         alive.join(JOIN_TIMEOUT)
