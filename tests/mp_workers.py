@@ -71,6 +71,22 @@ def write_value(inbox: Any, done: Any, value: float) -> None:
     done.put(a.shape)
 
 
+def read_both(direct: Any, relayed: Any, out: Any, drop: str) -> None:
+    """Receive one allocation twice (from its producer and relayed), drop one array, read the other."""
+    from cupy_ipc import _mapping
+
+    first, second = direct.get(), relayed.get()
+    same = first.data.ptr == second.data.ptr
+    kept = second if drop == "direct" else first
+    del first, second
+    gc.collect()
+    kept.data.device.synchronize()
+    out.put((same, _mapping.counts()["mapped"], np.asarray(kept.get())))
+    del kept
+    gc.collect()
+    out.put(_mapping.counts()["mapped"])
+
+
 def read_when_told(inbox: Any, go: Any, out: Any) -> None:
     a = inbox.get()
     go.get()

@@ -155,6 +155,30 @@ def test_received_array_passed_on_to_a_third_process(ctx):
     to_b.put(None)
 
 
+@pytest.mark.parametrize("drop", ["direct", "relayed"])
+def test_an_allocation_received_directly_and_relayed_outlives_either_array_dropped(ctx, drop):
+    # One allocation reaches C twice, from us and relayed by B: two entries in C's mapping table (each
+    # sender's), two opens of one handle, which the driver gives as one pointer (seen on an H200), counted
+    # so that the first entry's unmap leaves the second's memory mapped. Either order of drops.
+    to_b, b_to_c, back, direct, out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    b = ctx.Process(target=mp_workers.forward, args=(to_b, b_to_c, back))
+    c = ctx.Process(target=mp_workers.read_both, args=(direct, b_to_c, out, drop))
+    b.start()
+    c.start()
+    a, expected = _array(3.0)
+    direct.put(a)
+    to_b.put(a)
+    back.get(timeout=60)  # B's relay of our memory, sent back to us (dropped at once)
+    same, mapped, values = out.get(timeout=60)
+    assert mapped == 1, f"one pointer for both: {same}"  # the dropped array's entry is gone, the other's stays
+    np.testing.assert_array_equal(values, expected)
+    assert out.get(timeout=60) == 0
+    to_b.put(None)
+    b.join(60)
+    c.join(60)
+    assert b.exitcode == 0 and c.exitcode == 0
+
+
 @pytest.mark.parametrize("kind", ["pool", "vmm"])
 def test_received_array_shared_by_descriptor_passed_on_to_a_third_process(ctx, kind):
     # B sends on a stream-ordered pool's allocation with its own descriptor of the pool it imported, and
