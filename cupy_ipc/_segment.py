@@ -84,8 +84,9 @@ class Segment:
         >>> seg.close(unlink=True)
     """
 
-    def __init__(self, fd: int, path: str, *, owner: bool) -> None:
+    def __init__(self, fd: int, token: bytes, path: str, *, owner: bool) -> None:
         self.fd = fd
+        self.token = token  # the producer's
         self.path = path
         self.owner = owner  # only the producer grows its file
         self.mm: mmap.mmap | None = None  # a shared view of the records
@@ -96,7 +97,7 @@ class Segment:
             raise IpcError("cupy_ipc needs Linux open-file-description locks (F_OFD_SETLK)")
         path = segment_path(token)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        seg = cls(fd, path, owner=True)
+        seg = cls(fd, token, path, owner=True)
         seg.lock(ALIVE, READ)
         seg._grow(_DATA_START + _INITIAL_SLOTS * _RECORD.size)
         seg._remap()
@@ -140,7 +141,7 @@ class Segment:
             raise ProducerExitedError(
                 f"the producer process (pid {pid}) has exited: its segment {path} is gone", pid=pid
             ) from None
-        seg = cls(fd, path, owner=False)
+        seg = cls(fd, token, path, owner=False)
         seg._remap()
         return seg
 
@@ -353,9 +354,8 @@ def found_exited(seg: Segment) -> None:
     """``seg``'s producer was found to have exited by another table that keeps it (an idle mapping's): forget
     the producer as :func:`attach` does when it finds one gone."""
     with _attach_lock:
-        token = next((t for t, s in _attached.items() if s is seg), None)
-        if token is not None:  # (else a prune or an attach dropped it already)
-            _drop(token, seg)
+        if _attached.get(seg.token) is seg:  # (else a prune or an attach dropped it already)
+            _drop(seg.token, seg)
 
 
 def _drop(token: bytes, seg: Segment) -> None:
