@@ -87,6 +87,75 @@ def read_both(direct: Any, relayed: Any, out: Any, drop: str) -> None:
     out.put(_mapping.counts()["mapped"])
 
 
+def run_threads(target: Any, count: int, timeout: float) -> list[int]:
+    """Run ``target(i)`` for ``i`` in ``range(count)`` on threads of their own; the ``i`` of those still running
+    after ``timeout`` seconds."""
+    import threading
+
+    threads = [threading.Thread(target=target, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return [i for i, t in enumerate(threads) if t.is_alive()]
+
+
+def check_from_threads(inbox: Any, outbox: Any, threads: int) -> None:
+    """Receive ``(expected value, array or handle bytes)`` on ``threads`` threads at once, each on its own stream,
+    until one ``None`` per thread; check each array at once, and some again later on another thread after
+    holding them. Reports ``(checks by kind, wrong values, errors, state())``."""
+    import random
+    import threading
+    from collections import Counter
+
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    lock = threading.Lock()
+    held: list[tuple[float, Any]] = []
+    checks: Counter[str] = Counter()
+    wrong: list[tuple[str, float, float, float]] = []
+    errors: list[str] = []
+
+    def check(expected: float, arr: Any, kind: str) -> None:
+        ok = bool((arr == expected).all())  # a host sync: the array's GPU work is done once it returns
+        with lock:
+            checks[kind] += 1
+            if not ok:
+                wrong.append((kind, expected, float(arr.min()), float(arr.max())))
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with cupy.cuda.Stream():
+                while True:
+                    msg = inbox.get(timeout=120)  # an array is opened here, on this thread's stream
+                    if msg is None:
+                        return
+                    expected, item = msg
+                    del msg
+                    arr = IpcArrayHandle.from_bytes(item).open() if isinstance(item, bytes) else item
+                    del item
+                    check(expected, arr, "at once")
+                    with lock:
+                        if rng.random() < 0.5:
+                            held.append((expected, arr))  # dropped later, by whichever thread picks it
+                        older = held.pop(rng.randrange(len(held))) if len(held) > 8 else None
+                    del arr
+                    if older is not None:
+                        check(*older, "held")
+                        del older
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            with lock:
+                errors.append(f"{type(e).__name__}: {e}")
+
+    errors += [f"thread {i} still running" for i in run_threads(work, threads, 300)]
+    while held:
+        check(*held.pop(), "held")
+    outbox.put((dict(checks), wrong, errors, state()))
+
+
 def read_when_told(inbox: Any, go: Any, out: Any) -> None:
     a = inbox.get()
     go.get()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import pickle
+import time
 import warnings
 from collections import Counter
 
@@ -321,6 +322,55 @@ def test_no_leak_after_a_thousand_messages(ctx):
         assert not opened, f"{side}: descriptors opened and kept: {dict(opened)}"
         assert after == mid, side
         assert after["pinned"] == 0 and after["mapped"] == 0 and after["claims"] == 0, side
+
+
+def test_threads_on_both_sides_share_arrays_without_loss(ctx):
+    # Four producer threads send fresh and re-sent arrays, by queue and as handle bytes exported on the thread
+    # itself, and reallocate the freed memory at once; four consumer threads open and check them, and hold
+    # some to check and drop them later on another thread. Memory let go too early would read -99.
+    import cupy
+
+    import cupy_ipc
+
+    threads, per_thread, n = 4, 120, 1 << 16
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=mp_workers.check_from_threads, args=(inbox, outbox, threads))
+    p.start()
+    errors = []
+
+    def produce(t):
+        try:
+            # A blocking stream: the event a Queue records while pickling, on the default stream, follows it.
+            with cupy.cuda.Stream():
+                kept = cupy.full(n, -1.0 - t, cupy.float32)
+                for k in range(per_thread):
+                    if k % 4 == 0:  # the same array again
+                        value, item = -1.0 - t, kept
+                    else:
+                        value = float(t * 1000 + k)
+                        item = cupy.full(n, value, cupy.float32)
+                    if t % 2:  # exported here, on this thread's stream
+                        item = cupy_ipc.get_ipc_handle(item).to_bytes()
+                    inbox.put((value, item))
+                    del item
+                    cupy.full(n, -99.0, cupy.float32)  # takes a block freed too early, if any
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"producer thread {t}: {type(e).__name__}: {e}")
+
+    stuck = mp_workers.run_threads(produce, threads, 120)
+    for _ in range(threads):
+        inbox.put(None)
+    checks, wrong, their_errors, theirs = outbox.get(timeout=300)
+    p.join(30)
+    assert stuck == [], "producer threads did not finish"
+    assert errors == [] and their_errors == []
+    assert wrong == []
+    assert checks["at once"] == threads * per_thread and checks["held"] > 0
+    assert theirs["mapped"] == 0 and theirs["claims"] == 0
+    deadline = time.monotonic() + 20  # the consumer has exited: nothing holds our exports any more
+    while cupy_ipc.pinned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cupy_ipc.pinned() == []
 
 
 def test_events_travel_and_come_back_as_the_same_objects(ctx):
