@@ -27,6 +27,7 @@ from ._wire import (
     dtype_of,
     layout_of,
     pack_array,
+    readable,
     splice,
     unpack_array,
     validate_array,
@@ -97,10 +98,19 @@ def _check_still_allocated(base: int, buffer_id: int, f: ArrayFields) -> None:
     info = _cuda.pointer_info(base)
     if info.buffer_id != buffer_id or info.base != base:
         raise IpcError("this process exported that memory and has since freed it")
-    # A cudaMalloc or pool allocation is one range; virtual memory (several) is left to the mapping's check.
-    if f.kind != Kind.VMM and info.size < f.allocation_size:
+    if f.kind != Kind.VMM:  # a cudaMalloc or pool allocation: one range
+        mapped = info.size
+    else:
+        # Virtual memory: the run of pieces exported under the handle's id, from its first piece on, counted
+        # as far as they are still mapped one after another (never further pieces, which hold other memory).
+        run = _vmm.exported_run([f.fd, *(fd for fd, _ in f.more)], f.resource)
+        if run is None or run[0] != (base, buffer_id):
+            raise HandleError("the handle names virtual memory that this process does not export under its "
+                              "descriptors and id: it is forged or corrupt")
+        mapped = _mapping.mapped_bytes(base, f.allocation_size, len(run))
+    if mapped < f.allocation_size:
         raise HandleError(f"the handle claims a {f.allocation_size}-byte allocation where this process has "
-                          f"{info.size} bytes: the handle is forged or corrupt")
+                          f"{mapped} bytes: the handle is forged or corrupt")
 
 
 def _received_lease(owner: Any) -> "_mapping.Lease | None":
@@ -532,9 +542,12 @@ class IpcArrayHandle:
         resource: int = 0,
         more: Iterable[tuple[int, int]] = (),
     ) -> None:
+        ordinal, uuid = device
+        pid, token, boot_id, host = producer
         fields = ArrayFields(
             int(kind), 0, dtype_of(dtype), bytes(memory_handle), int(offset), int(allocation_size), 0, 0,
-            DeviceId(*device), Producer(*producer), 0, 0, _NO_HANDLE, tuple(int(n) for n in shape),
+            DeviceId(int(ordinal), uuid), Producer(int(pid), token, boot_id, host), 0, 0, _NO_HANDLE,
+            tuple(int(n) for n in shape),
             tuple(int(s) for s in strides), int(fd), int(resource), tuple((int(a), int(b)) for a, b in more),
         )
         validate_array(fields)
@@ -638,8 +651,8 @@ class IpcArrayHandle:
         Raises:
             HandleError: The bytes are malformed or describe memory unsafely.
         """
-        fields = unpack_array(data)
-        return cls._make(fields, bytes(data))
+        raw = readable(data, "array handle")
+        return cls._make(unpack_array(raw), raw)
 
     def to_bytes(self) -> bytes:
         """The wire form: versioned, fixed layout, no pickle inside."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import weakref
 from typing import Any
@@ -314,3 +315,16 @@ def drop_cached(token: bytes | None = None) -> None:
 
 
 _segment.when_exited(drop_cached)  # an exited producer's events are never recorded again
+
+_inherited: list[Any] = []  # a forked child's copies of its parent's opened events, never destroyed
+
+
+def _forget_after_fork() -> None:
+    # The cached events are the parent's: destroying them would make CUDA calls, which a forked child must
+    # not. A new lock, since another thread may have held the old one at the fork.
+    global _opened, _opened_lock
+    _inherited.append(_opened)
+    _opened, _opened_lock = collections.OrderedDict(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -38,16 +38,15 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import queue
 import resource
 import threading
 from typing import Any, Callable
 
-from . import _cuda, _pools, _segment
+from . import _cuda, _pools, _reaper, _segment
 from ._args import checked_count
 from ._errors import HandleError, IpcError, warn_quietly
 
-__all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts"]
+__all__ = ["Lease", "acquire", "collect_idle", "mapped_bytes", "set_idle_mapping_limit", "counts"]
 
 
 # How memory other than a legacy handle's is mapped: (map() -> pointer, unmap(pointer), descriptors kept open).
@@ -92,11 +91,12 @@ class _Mapping:
 
 
 class _Claim:
-    __slots__ = ("seg", "lock", "count")
+    __slots__ = ("seg", "lock", "export_id", "count")
 
-    def __init__(self, seg: _segment.Segment, slot: int) -> None:
+    def __init__(self, seg: _segment.Segment, slot: int, export_id: int) -> None:
         self.seg = seg
         self.lock = _segment.in_use(slot)  # the slot's in-use lock, held while count > 0
+        self.export_id = export_id
         self.count = 0
 
 
@@ -106,6 +106,8 @@ _idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.Ordere
 _idle_limit = 16
 _idle_fds = 0  # descriptors that idle mappings keep open
 _idle_fd_limit: int | None = None  # set on first use from the open-file limit
+# By (producer's token, slot): the in-use lock is the slot's, one per process (open file description), whichever
+# export holds the slot.
 _claims: dict[tuple[bytes, int], _Claim] = {}
 # Keys of imports released here at least once: only those are kept idle when released again.
 _released: "collections.OrderedDict[tuple[Any, ...], None]" = collections.OrderedDict()
@@ -200,18 +202,21 @@ def counts() -> dict[str, int]:
 # --- claims on a producer's slot --------------------------------------------
 def _claim(seg: _segment.Segment, token: bytes, pid: int, export_id: int, slot: int) -> tuple[bytes, int]:
     """Hold an export's in-use lock (once per process) and count our open; the caller holds ``_lock``."""
-    key = (token, export_id)
+    key = (token, slot)
     c = _claims.get(key)
-    if c is not None:
-        c.count += 1
-        return key
-    if not seg.claim(slot, export_id):
+    if c is None:
+        if seg.claim(slot, export_id):
+            c = _claims[key] = _Claim(seg, slot, export_id)
+    elif c.export_id != export_id:
+        # We hold the slot for another export, so the producer cannot have reused it since: this one ended
+        # before. (Asking the segment would refuse it too, and drop the lock the other export holds.)
+        c = None
+    if c is None:
         raise IpcError(
             f"the producer (pid {pid}) no longer shares this memory: its lease ran out, "
             "it called release(), or as many consumers as it allowed have opened it"
         )
-    c = _claims[key] = _Claim(seg, slot)
-    c.count = 1
+    c.count += 1
     return key
 
 
@@ -344,7 +349,7 @@ def _drop_idle_of_exited() -> None:
         _segment.found_exited(seg)
 
 
-def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:
+def mapped_bytes(ptr: int, want: int, ranges: int) -> int:
     """How many bytes from ``ptr`` on are mapped without a gap, in at most ``ranges`` ranges (virtual memory
     imported in pieces is one range per piece; any other import is one), counting up to ``want``."""
     at = ptr
@@ -363,7 +368,7 @@ def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:
 def _checked(m: _Mapping, allocation_size: int, ranges: int = 1) -> _Mapping:
     """``m``, unless the driver mapped less than the handle claims (then unmapped). Only the import's own
     ``ranges`` count: another mapping may lie right after it."""
-    size = _mapped_bytes(m.ptr, allocation_size, ranges)
+    size = mapped_bytes(m.ptr, allocation_size, ranges)
     if size < allocation_size:
         m.unmap()
         raise HandleError(_forged(allocation_size, size))
@@ -454,7 +459,11 @@ class Lease:
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
-        if not _exiting and _release is not None:
+        if _exiting or _release is None:
+            return
+        if _reaper.collecting():  # (see _reaper)
+            _reaper.later(_release, self.mapping_key, self.claim_key, self.stream, self.device)
+        else:
             _release(self.mapping_key, self.claim_key, self.stream, self.device)
 
 
@@ -483,36 +492,7 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
     except Exception as e:  # destructor path: keep the memory pinned rather than raise
         warn_quietly(f"could not order the release of a mapping: {e}")
         return
-    _reaper().put((done, device, _finish, (mapping_key, claim_key)))
-
-
-_queue: "queue.SimpleQueue[Any] | None" = None
-
-
-def _reaper() -> "queue.SimpleQueue[Any]":
-    # Waits for consumers' GPU work on released mappings without blocking
-    # the threads that use the library.
-    global _queue
-    with _lock:
-        if _queue is None:
-            _queue = queue.SimpleQueue()
-            threading.Thread(target=_reap, args=(_queue,), name="cupy_ipc-reaper", daemon=True).start()
-    return _queue
-
-
-def _reap(q: "queue.SimpleQueue[Any]") -> None:
-    runtime = _cuda.rt()
-    while True:
-        done, device, then, args = q.get()
-        try:
-            runtime.setDevice(device)
-            done.synchronize()
-        except Exception as e:
-            warn_quietly(f"could not wait for a consumer's work: {e}")
-        try:
-            then(*args)
-        except Exception as e:  # this thread serves every later release: it must not end
-            warn_quietly(f"could not release a mapping: {e}")
+    _reaper.later(_finish, mapping_key, claim_key, after=done, device=device)
 
 
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
@@ -530,6 +510,7 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
     its last user (pool imports). ``origin`` is a legacy handle's (see
     :data:`Origin`).
     """
+    _reaper.start()  # before the first lease (see _reaper)
     with _lock:
         claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
         try:
@@ -542,14 +523,13 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
 
 
 def _forget_after_fork() -> None:
-    global _queue, _idle_fds, _lock
+    global _idle_fds, _lock
     _lock = threading.RLock()  # another thread may have held it at the fork
     _active.clear()
     _idle.clear()
     _idle_fds = 0
     _claims.clear()
     _released.clear()
-    _queue = None
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from . import _cuda, _segment
+from . import _cuda, _reaper, _segment
 from ._descriptors import close_quietly
 from ._errors import IpcError, ProducerExitedError
 
@@ -251,6 +251,58 @@ def forget() -> None:
         close_quietly(fd)
 
 
+class _DriverPools:
+    """The driver's pools of a :class:`ShareableMemoryPool`, with the allocator's functions. Every block holds
+    this object (through the allocator's free), the pool object too, and nothing here holds them: so it goes
+    with the last of them, by reference count, and destroys the pools then."""
+
+    __slots__ = ("pools", "pid", "finalizing", "cupy", "runtime")
+
+    def __init__(self, runtime: Any) -> None:
+        import cupy
+
+        self.pools: dict[int, Any] = {}
+        self.pid, self.finalizing = os.getpid(), sys.is_finalizing  # what __del__ needs, even if creation fails
+        self.cupy, self.runtime = cupy, runtime
+
+    def pool(self, device: int) -> int:
+        pool = self.pools.get(device)
+        if pool is None:
+            raise IpcError(f"this ShareableMemoryPool allocates on GPU {', '.join(map(str, self.pools))}, "
+                           f"not on GPU {device}: make one with device=None for every GPU")
+        return int(pool)
+
+    def malloc(self, size: int, device: int) -> int:
+        return self.runtime.mallocFromPoolAsync(size, self.pool(device), self.cupy.cuda.get_current_stream().ptr)
+
+    def free(self, ptr: int, device: int) -> None:
+        # Bound names only: blocks are also freed while the interpreter shuts down, when imports fail and
+        # module globals are gone; the driver releases the pool's memory with the process then anyway.
+        if self.finalizing():
+            return
+        with self.cupy.cuda.Device(device):
+            self.runtime.freeAsync(ptr, self.cupy.cuda.get_current_stream().ptr)
+
+    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
+        # Nothing allocated here is still in use, nor awaited by a consumer (a pin holds its array). Destroying
+        # the pools gives their memory back to the driver (they keep freed blocks otherwise), and the export's
+        # descriptor is closed before the driver can hand the pool's handle to a new pool. (os.getpid is bound
+        # as a default: module globals may be gone when the last block goes at exit.)
+        if getattr(self, "pid", None) != _getpid() or self.finalizing():
+            return  # shutting down, or a forked child's copy: the driver's state is not ours to change
+        pools, self.pools = list(self.pools.values()), {}
+        if _reaper.collecting():  # in a cycle of the user's making (see _reaper)
+            _reaper.later(_destroy, pools)
+        else:
+            _destroy(pools)
+
+
+def _destroy(pools: list[Any]) -> None:
+    for pool in pools:
+        _forget_export(int(pool))
+        _driver().cuMemPoolDestroy(pool)  # frees still queued on a stream finish first
+
+
 class ShareableMemoryPool:
     """A CuPy allocator whose blocks other processes can map, by file descriptor.
 
@@ -261,7 +313,9 @@ class ShareableMemoryPool:
     Built on these calls rather than on CuPy's ``MemoryAsyncPool``, which
     allocates from the device's *current* pool and so makes its pool current
     for the whole process: every other stream-ordered allocation would land
-    in it, and a second pool would take over the first's allocations.
+    in it, and a second pool would take over the first's allocations. The
+    driver's pools are destroyed, giving their memory back, once this object
+    and everything allocated from it are gone.
 
     Args:
         device: The GPU to allocate on; ``None``: every GPU. Allocating on
@@ -277,11 +331,11 @@ class ShareableMemoryPool:
     def __init__(self, device: int | None = None) -> None:
         import cupy
 
+        _reaper.start()  # for _DriverPools.__del__
         driver = _driver()
         n = _cuda.device_count()  # also initializes the driver
         devices = range(n) if device is None else [_cuda.checked_ordinal(device)]
-        self._pools: dict[int, Any] = {}
-        self._pid, self._finalizing = os.getpid(), sys.is_finalizing  # what __del__ needs, even if this fails
+        self._pools = _DriverPools(cupy.cuda.runtime)
         for d in devices:
             props = driver.CUmemPoolProps()
             props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -290,43 +344,12 @@ class ShareableMemoryPool:
             props.location.id = d
             err, pool = driver.cuMemPoolCreate(props)
             _cuda.check(f"creating a shareable memory pool on GPU {d}", err)
-            self._pools[d] = pool
+            self._pools.pools[d] = pool
             # Keep freed memory in the pool for the next allocation, as CuPy's pools do.
             (err,) = driver.cuMemPoolSetAttribute(
                 pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))
             _cuda.check("setting the pool's release threshold", err)
-        self._cupy, self._runtime = cupy, cupy.cuda.runtime
-        self._allocator = cupy.cuda.memory.PythonFunctionAllocator(self._malloc, self._free)
-
-    def __del__(self) -> None:
-        # Every block holds this object (through the allocator's free), and a pin holds its array: so nothing
-        # allocated here is still in use, nor awaited by a consumer. Destroying the pools gives their memory
-        # back to the driver (they keep freed blocks otherwise), and the export's descriptor is closed before
-        # the driver can hand the pool's handle to a new pool.
-        if getattr(self, "_pid", None) != os.getpid() or self._finalizing():
-            return  # shutting down, or a forked child's copy: the driver's state is not ours to change
-        pools, self._pools = self._pools, {}
-        for pool in pools.values():
-            _forget_export(int(pool))
-            _driver().cuMemPoolDestroy(pool)  # frees still queued on a stream finish first
-
-    def _pool(self, device: int) -> int:
-        pool = self._pools.get(device)
-        if pool is None:
-            raise IpcError(f"this ShareableMemoryPool allocates on GPU {', '.join(map(str, self._pools))}, "
-                           f"not on GPU {device}: make one with device=None for every GPU")
-        return int(pool)
-
-    def _malloc(self, size: int, device: int) -> int:
-        return self._runtime.mallocFromPoolAsync(size, self._pool(device), self._cupy.cuda.get_current_stream().ptr)
-
-    def _free(self, ptr: int, device: int) -> None:
-        # Bound names only: blocks are also freed while the interpreter shuts down, when imports fail and
-        # module globals are gone; the driver releases the pool's memory with the process then anyway.
-        if self._finalizing():
-            return
-        with self._cupy.cuda.Device(device):
-            self._runtime.freeAsync(ptr, self._cupy.cuda.get_current_stream().ptr)
+        self._allocator = cupy.cuda.memory.PythonFunctionAllocator(self._pools.malloc, self._pools.free)
 
     def malloc(self, size: int) -> Any:
         """Allocate ``size`` bytes on the current GPU and stream (``cupy.cuda.set_allocator(pool.malloc)``)."""
@@ -334,7 +357,7 @@ class ShareableMemoryPool:
 
     def _attribute(self, name: str) -> int:
         runtime = _cuda.rt()
-        pool = self._pools.get(runtime.getDevice())
+        pool = self._pools.pools.get(runtime.getDevice())
         return 0 if pool is None else int(runtime.memPoolGetAttribute(int(pool), getattr(runtime, name)))
 
     def used_bytes(self) -> int:
@@ -354,11 +377,11 @@ class ShareableMemoryPool:
 
         runtime = _cuda.rt()
         (stream or cupy.cuda.get_current_stream()).synchronize()
-        pool = self._pools.get(runtime.getDevice())
+        pool = self._pools.pools.get(runtime.getDevice())
         if pool is not None:
             runtime.memPoolTrimTo(int(pool), 0)
 
     @property
     def handles(self) -> dict[int, int]:
         """The ``cudaMemPool_t`` of each GPU this pool allocates on, by ordinal."""
-        return {d: int(p) for d, p in self._pools.items()}
+        return {d: int(p) for d, p in self._pools.pools.items()}

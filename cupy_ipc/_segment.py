@@ -225,7 +225,8 @@ class Segment:
 
         One lock call for an export that admits one consumer; two (or four,
         when another consumer holds the slot) for one that admits several,
-        whose count must be exact.
+        whose count must be exact. The caller must not hold the slot's lock
+        already (for another export): a refusal drops it.
         """
         held = in_use(slot)
         at = _DATA_START + slot * _RECORD.size

@@ -24,13 +24,13 @@ import sys
 import threading
 from typing import Any
 
-from . import _cuda
+from . import _cuda, _reaper
 from ._descriptors import close_quietly
 from ._errors import IpcError, warn_quietly
 from ._wire import MAX_PIECES
 
-__all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exports", "import_mapping", "is_vmm",
-           "pieces_id", "pieces_of", "sweep", "sweep_if_grown", "unmap"]
+__all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exported_run", "exports", "import_mapping",
+           "is_vmm", "pieces_id", "pieces_of", "sweep", "sweep_if_grown", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -112,11 +112,17 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
 def exports(fds: list[int], resource: int) -> bool:
     """True when ``fds`` are the descriptors, in order, of the run of pieces this process exports as
     ``resource`` (see :func:`pieces_id`)."""
+    return exported_run(fds, resource) is not None
+
+
+def exported_run(fds: list[int], resource: int) -> list[tuple[int, int]] | None:
+    """``(base, buffer id)`` of each piece, in order, if ``fds`` are the descriptors of the run of pieces this
+    process exports as ``resource``; else ``None``."""
     with _lock:
         ids = tuple(_by_fd.get(fd) for fd in fds)
-        if None in ids:
-            return False
-        return ids[0] == resource if len(ids) == 1 else _runs.get(ids) == resource
+        if None in ids or (ids[0] if len(ids) == 1 else _runs.get(ids)) != resource:  # type: ignore[arg-type]
+            return None
+        return [_exports[i][1][:2] for i in ids]  # type: ignore[index]
 
 
 # Errors that say nothing about the address (no context on this thread, a driver shutting down): keep.
@@ -348,14 +354,21 @@ class _Owner:
         # and the driver frees everything with the process then anyway.
         if _finalizing():
             return
-        try:
-            # Unlike cudaFree, unmapping does not wait for the GPU: work still
-            # queued on the memory would fault. Wait as cudaFree would.
-            with _cuda.using_device(self.device):
-                _cuda.rt().deviceSynchronize()
-            unmap(self.ptr, self.sizes)
-        except Exception as e:  # destructor path: warn, never raise
-            warn_quietly(f"could not free the virtual memory at 0x{self.ptr:x}: {e}")
+        if _reaper.collecting():  # (see _reaper)
+            _reaper.later(_free_allocated, self.ptr, self.sizes, self.device)
+        else:
+            _free_allocated(self.ptr, self.sizes, self.device)
+
+
+def _free_allocated(ptr: int, sizes: list[int], device: int) -> None:
+    try:
+        # Unlike cudaFree, unmapping does not wait for the GPU: work still
+        # queued on the memory would fault. Wait as cudaFree would.
+        with _cuda.using_device(device):
+            _cuda.rt().deviceSynchronize()
+        unmap(ptr, sizes)
+    except Exception as e:  # destructor path: warn, never raise
+        warn_quietly(f"could not free the virtual memory at 0x{ptr:x}: {e}")
 
 
 def allocation_prop(device: int, shareable: bool = True) -> Any:
@@ -380,6 +393,7 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
     """
     import cupy
 
+    _reaper.start()  # for _Owner.__del__
     runtime = _cuda.rt()
     driver = _driver()
     device = runtime.getDevice()

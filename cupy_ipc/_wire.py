@@ -30,6 +30,7 @@ __all__ = [
     "layout_of",
     "pack_array",
     "pack_event",
+    "readable",
     "unpack_array",
     "unpack_event",
     "validate_array",
@@ -200,6 +201,10 @@ def _in_range(what: str, value: int, bounds: tuple[int, int]) -> None:
 
 def validate_origin(device: DeviceId, producer: Producer) -> None:
     """Device and producer fields must be what the wire can hold, exactly."""
+    if not (type(device.ordinal) is int and type(producer.pid) is int and type(device.uuid) is bytes
+            and type(producer.token) is bytes and type(producer.boot_id) is bytes and type(producer.host) is str):
+        raise HandleError("the device ordinal and producer pid must be int, the device UUID, producer token and "
+                          "boot id bytes, the host name str")
     if len(device.uuid) != 16:
         raise HandleError("device UUID must be 16 bytes")
     if len(producer.token) != 16 or len(producer.boot_id) != 16:
@@ -254,6 +259,8 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
         raise HandleError(f"{len(shape)} dimensions; at most {MAX_NDIM} are allowed")
     if shape and min(shape) < 0:
         raise HandleError(f"negative extent in shape {shape}")
+    if f.kind not in Kind.BY_DESCRIPTOR and (f.fd != -1 or f.resource or f.more):
+        raise HandleError(f"{Kind.names[f.kind]} handles carry no descriptor, resource id or pieces")
     if f.kind == Kind.EMPTY:
         if 0 not in shape:
             raise HandleError(f"an empty handle must have a size-0 shape, not {shape}")
@@ -288,13 +295,20 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
     return lo, hi, align
 
 
-def _header(data: object, magic: bytes, what: str, minimum: int) -> bytes:
+def readable(data: object, what: str) -> bytes:
+    """``data`` (bytes, a bytearray or a memoryview) as bytes, read once: what is checked is what is kept."""
+    if type(data) is bytes:
+        return data
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"{what} must be bytes, not {type(data).__name__}")
     try:
-        data = bytes(data)
-    except ValueError as e:  # a released memoryview
+        return bytes(memoryview(data))  # the buffer itself: a bytes subclass's __bytes__ may say otherwise
+    except (ValueError, TypeError) as e:  # a released memoryview, or one of another format
         raise HandleError(f"{what} cannot be read: {e}") from None
+
+
+def _header(data: object, magic: bytes, what: str, minimum: int) -> bytes:
+    data = readable(data, what)
     if len(data) < minimum:
         raise HandleError(f"{what} is {len(data)} bytes; at least {minimum} expected")
     if data[:4] != magic:

@@ -212,27 +212,39 @@ def test_forged_allocation_size_is_refused_on_a_mapping_in_use(consumer):
         consumer.call("drop", "genuine")
 
 
-def _forged_bytes(handle, factor):
-    """``handle``'s wire bytes with its allocation size, and a shape reaching all of it, ``factor`` times larger."""
+def _forged_bytes(handle, factor, kind="legacy", sender="us"):
+    """``handle``'s wire bytes with its allocation size, and a shape reaching all of it, ``factor`` times larger,
+    saying the memory is of ``kind``; signed by another process of this host unless ``sender`` is "us"."""
+    import secrets
+
     from cupy_ipc import _wire
 
     f = _wire.unpack_array(handle.to_bytes())
     size = f.allocation_size * factor
-    return _wire.pack_array(f._replace(allocation_size=size, offset=0, shape=(size,), strides=(1,),
-                                       dtype=np.dtype("uint8")))
+    f = f._replace(allocation_size=size, offset=0, shape=(size,), strides=(1,), dtype=np.dtype("uint8"))
+    if kind == "vmm":  # a descriptor and a run id, as virtual memory needs
+        f = f._replace(kind=_wire.Kind.VMM, fd=3, resource=1)
+    if sender != "us":  # the handle of our memory as a process that received it sends it back
+        f = f._replace(producer=f.producer._replace(token=secrets.token_bytes(16)))
+    return _wire.pack_array(f)
 
 
+@pytest.mark.parametrize("kind", ["legacy", "vmm"])
+@pytest.mark.parametrize("sender", ["us", "another process"])
 @pytest.mark.parametrize("pinned", [True, False])
-def test_forged_handle_of_our_own_memory_is_refused(pinned):
-    # Opened in the exporting process, a handle maps nothing: it must still claim no more than the allocation.
+def test_forged_handle_of_our_own_memory_is_refused(pinned, sender, kind):
+    # Opened in the exporting process (or sent back to it), a handle maps nothing: it must still claim no more
+    # than the allocation, whatever kind of memory it says that is.
     import cupy
 
     import cupy_ipc
 
     a = cupy.ones(1 << 20, cupy.uint8)
+    neighbour = cupy.full(1 << 20, 42, cupy.uint8)  # what a view past the allocation would reach
     real = cupy_ipc.get_ipc_handle(a, keepalive=pinned, sync=pinned)
     with pytest.raises(cupy_ipc.HandleError, match="forged"):
-        cupy_ipc.IpcArrayHandle.from_bytes(_forged_bytes(real, 4)).open()
+        cupy_ipc.IpcArrayHandle.from_bytes(_forged_bytes(real, 4, kind, sender)).open()
+    assert int(neighbour[0]) == 42
     with real as view:  # the genuine handle still opens
         assert int(view[0]) == 1
     real.release()

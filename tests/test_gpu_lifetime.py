@@ -77,6 +77,33 @@ def test_unopened_export_stays_pinned_until_release_or_lease():
         h.open()
 
 
+def test_a_refused_late_handle_leaves_the_array_of_the_export_that_took_its_slot_alive(remote):
+    # A late message of an ended export names the slot a newer export now holds; the consumer that holds the
+    # newer one's array must keep it when the late one is refused.
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    a = cupy.full(N, 1.0, cupy.float32)
+    late = cupy_ipc.get_ipc_handle(a, lease=0.05).to_bytes()
+    del a
+    time.sleep(0.2)
+    cupy_ipc.collect()  # the lease has run out: its slot is free
+    a = cupy.full(N, 2.0, cupy.float32)
+    data = cupy_ipc.get_ipc_handle(a).to_bytes()
+    del a
+    parse = cupy_ipc.IpcArrayHandle.from_bytes
+    assert parse(data)._f.slot == parse(late)._f.slot, "the test needs the new export in the ended one's slot"
+    consumer.call("hold", data, "a")
+    kind, message, _ = consumer.call("open_error", late)
+    assert kind == "IpcError" and "no longer shares" in message
+    cupy_ipc.collect()
+    junk = [cupy.full(N, 99.0, cupy.float32) for _ in range(20)]  # would take its memory, were it let go
+    assert (consumer.call("read_held", "a") == 2).all()
+    del junk
+
+
 def test_consumers_count_allows_several_processes(remote):
     import cupy
 

@@ -244,8 +244,7 @@ def test_a_dropped_pool_gives_its_memory_and_its_descriptor_back():
     assert pool.used_bytes() == 0 and pool.total_bytes() >= 256 << 20  # freed blocks stay in the pool
     assert runtime.memGetInfo()[0] <= free - (256 << 20)
     gone = weakref.ref(pool)
-    del pool
-    gc.collect()
+    del pool  # the last reference to it, and to its driver pools: they go now, without the garbage collector
     assert gone() is None
     assert handle not in _pools._exports
     try:

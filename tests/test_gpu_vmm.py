@@ -375,9 +375,9 @@ def test_the_size_check_of_an_import_counts_only_its_own_ranges():
 
     a = vmm_array(2 * N, pieces=2)  # two 4 MiB pieces, adjacent
     ptr, piece = a.data.ptr, a.nbytes // 2
-    assert _mapping._mapped_bytes(ptr, a.nbytes, 2) == a.nbytes
-    assert _mapping._mapped_bytes(ptr, a.nbytes, 1) == piece
-    assert _mapping._mapped_bytes(ptr, piece, 2) == piece  # counts no further than asked
+    assert _mapping.mapped_bytes(ptr, a.nbytes, 2) == a.nbytes
+    assert _mapping.mapped_bytes(ptr, a.nbytes, 1) == piece
+    assert _mapping.mapped_bytes(ptr, piece, 2) == piece  # counts no further than asked
 
 
 def test_freeing_virtual_memory_waits_for_work_queued_on_it(remote):

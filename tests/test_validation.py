@@ -15,7 +15,17 @@ from hypothesis import strategies as st
 from samples import BOOT_ID, DTYPES, MEMORY_HANDLE, PRODUCER, TOKEN, UUID
 
 from cupy_ipc import DeviceId, HandleError, IpcArrayHandle, IpcError, IpcEventHandle, Producer
-from cupy_ipc._wire import _ARRAY, _EVENT, ARRAY_HEADER, EVENT_RECORD, VERSION, EventFields, Kind, pack_event
+from cupy_ipc._wire import (
+    _ARRAY,
+    _EVENT,
+    ARRAY_HEADER,
+    EVENT_RECORD,
+    VERSION,
+    EventFields,
+    Kind,
+    pack_array,
+    pack_event,
+)
 
 
 # --- the wire layout, read from the structs so that these tests follow the format ---------------------------
@@ -89,6 +99,7 @@ def accepted_or_round_trips(data):
     except HandleError:
         return None
     assert h.to_bytes() == bytes(data)
+    assert pack_array(h._f) == bytes(data)  # to_bytes() gives the input back: the fields must give it too
     assert IpcArrayHandle.from_bytes(h.to_bytes()) == h
     return h
 
@@ -562,6 +573,44 @@ def test_host_that_is_not_utf8_on_the_wire():
     buf = bytearray(VALID)
     buf[start] = 0xFF
     rejected("not valid UTF-8", IpcArrayHandle.from_bytes, bytes(buf))
+
+
+@pytest.mark.parametrize("change", [dict(device=(0, "u" * 16)), dict(producer=(1, "t" * 16, BOOT_ID, "h")),
+                                    dict(producer=(1, TOKEN, bytearray(BOOT_ID), "h")),
+                                    dict(producer=(1, TOKEN, BOOT_ID, b"h"))],
+                         ids=["text UUID", "text token", "bytearray boot id", "bytes host"])
+def test_origin_fields_of_other_types_are_refused_by_the_constructor(change):
+    """Accepted, they would fail later, in to_bytes(), with a struct.error."""
+    kwargs = dict(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
+                  dtype="float32", device=(0, UUID), producer=PRODUCER)
+    rejected("must be int", IpcArrayHandle, **{**kwargs, **change})
+
+
+@pytest.mark.parametrize("change", [dict(fd=7), dict(resource=5),
+                                    dict(kind=Kind.EMPTY, shape=(0,), strides=(4,), fd=3, resource=1),
+                                    dict(kind=Kind.EMPTY, shape=(0,), strides=(4,), more=[(3, 10)])],
+                         ids=["legacy with a descriptor", "legacy with a resource id", "empty with both",
+                              "empty in pieces"])
+def test_descriptor_fields_on_a_kind_shared_without_one_are_refused(change):
+    """The wire carries them only for memory shared by descriptor: accepted, they would be lost in a round trip."""
+    kwargs = dict(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
+                  dtype="float32", device=(0, UUID), producer=PRODUCER)
+    rejected("carry no descriptor", IpcArrayHandle, **{**kwargs, **change})
+
+
+def test_the_bytes_checked_are_the_bytes_kept():
+    """A bytes subclass may say other bytes when asked again (``__bytes__``), a bytearray may change: what a
+    handle sends on must be what was parsed and checked."""
+    larger = make(shape=(8, 2), allocation_size=64).to_bytes()
+
+    class Shifty(bytes):
+        def __bytes__(self):
+            return larger
+
+    for data in (Shifty(VALID), bytearray(VALID), memoryview(VALID)):
+        h = IpcArrayHandle.from_bytes(data)
+        assert h.to_bytes() == VALID and type(h.to_bytes()) is bytes
+        assert h.shape == (4, 2)
 
 
 def test_released_memoryview_raises_handle_error():

@@ -1,0 +1,77 @@
+"""The library's own thread, without a GPU: the finalizers that the garbage collector runs hand their work to
+it, and no failure ends it."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+
+from cupy_ipc import _mapping, _pools, _reaper, _vmm
+
+
+def _eventually(condition, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+    return bool(condition())
+
+
+def _lease() -> _mapping.Lease:
+    return _mapping.Lease(None, ("key",), None, None, 0, _mapping._Mapping(0x1000, 0, imported=True), b"", 64, 0)
+
+
+def _driver_pools() -> _pools._DriverPools:
+    pools = _pools._DriverPools(None)
+    pools.pools[0] = 1
+    return pools
+
+
+# What each finalizer calls (recorded instead: the real calls need a GPU), and how to make its object.
+FINALIZED = {
+    "mapping lease": (_mapping, "_release", _lease),
+    "pool": (_pools, "_destroy", _driver_pools),
+    "virtual memory": (_vmm, "_free_allocated", lambda: _vmm._Owner(0x1000, [64], 0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(FINALIZED))
+def test_an_object_that_the_garbage_collector_frees_is_finalized_on_the_librarys_thread(kind, monkeypatch):
+    # The collector runs wherever an allocation sets it off, inside the library's locked code too: a finalizer
+    # run there, on the thread holding the lock, could wait on it forever (destroying a pool takes _pools._lock)
+    # or change a table that thread is going through.
+    module, name, make = FINALIZED[kind]
+    ran: list[str] = []
+    monkeypatch.setattr(module, name, lambda *args: ran.append(threading.current_thread().name))
+    _reaper.start()
+    dropped = make()
+    del dropped  # by its last reference: finalized here and now
+    assert ran == [threading.current_thread().name]
+    cycle: list[object] = [make()]
+    cycle.append(cycle)
+    del cycle
+    with _pools._lock:  # as if the collection had interrupted the library's code
+        gc.collect()
+    assert _eventually(lambda: len(ran) == 2)
+    assert ran[1] == "cupy_ipc-reaper"
+
+
+def test_the_release_thread_outlives_failures_whose_warnings_are_errors():
+    # The consumer's thread that waits for GPU work before releasing serves every later release: a failure,
+    # reported as a warning that the filters here turn into an error, must not end it.
+    released = []
+
+    class FailingWait:
+        def synchronize(self):
+            raise RuntimeError("waiting failed")
+
+    def failing_release():
+        raise RuntimeError("releasing failed")
+
+    _reaper.start()
+    _reaper.later(failing_release, after=FailingWait())
+    _reaper.later(released.append, "second", after=FailingWait())
+    assert _eventually(lambda: released)
+    assert released == ["second"]
