@@ -95,22 +95,23 @@ def _default_device(home: int, current: int) -> int:
 
 def _check_still_allocated(base: int, buffer_id: int, f: ArrayFields) -> None:
     """That our allocation at ``base`` is still the one exported, and holds all that handle ``f`` claims."""
-    info = _cuda.pointer_info(base)
-    if info.buffer_id != buffer_id or info.base != base:
-        raise IpcError("this process exported that memory and has since freed it")
-    if f.kind != Kind.VMM:  # a cudaMalloc or pool allocation: one range
-        mapped = info.size
-    else:
-        # Virtual memory: the run of pieces exported under the handle's id, from its first piece on, counted
-        # as far as they are still mapped one after another (never further pieces, which hold other memory).
+    if f.kind == Kind.VMM:
+        # Virtual memory: the run of pieces exported under the handle's id, each still where it was exported.
         run = _vmm.exported_run([f.fd, *(fd for fd, _ in f.more)], f.resource)
         if run is None or run[0] != (base, buffer_id):
             raise HandleError("the handle names virtual memory that this process does not export under its "
                               "descriptors and id: it is forged or corrupt")
-        mapped = _mapping.mapped_bytes(base, f.allocation_size, len(run))
-    if mapped < f.allocation_size:
+        mapped = _vmm.still_mapped(run)
+        if mapped < f.allocation_size:
+            raise IpcError(f"the handle claims {f.allocation_size} bytes of virtual memory where this process "
+                           f"still maps {mapped} of the pieces it exported: it freed them, or the handle is forged")
+        return
+    info = _cuda.pointer_info(base)  # a cudaMalloc or pool allocation: one range
+    if info.buffer_id != buffer_id or info.base != base:
+        raise IpcError("this process exported that memory and has since freed it")
+    if info.size < f.allocation_size:
         raise HandleError(f"the handle claims a {f.allocation_size}-byte allocation where this process has "
-                          f"{mapped} bytes: the handle is forged or corrupt")
+                          f"{info.size} bytes: the handle is forged or corrupt")
 
 
 def _received_lease(owner: Any) -> "_mapping.Lease | None":
@@ -491,9 +492,9 @@ def _open_common(f: ArrayFields) -> Any:
             f.allocation_size, None, None, seg, producer.token, producer.pid, f.export_id, f.slot, stream, device,
             device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size))
         if f.flags & FLAG_EVENT:
-            event = open_cached(f.event_handle, device, producer)._ptr
-            if runtime.eventQuery(event) != 0:  # a finished event needs no wait, and the GPU-side wait is slow
-                runtime.streamWaitEvent(stream.ptr, event, 0)
+            ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it meanwhile
+            if runtime.eventQuery(ev._ptr) != 0:  # a finished event needs no wait, and the GPU-side wait is slow
+                runtime.streamWaitEvent(stream.ptr, ev._ptr, 0)
     except _cuda._runtime_error() as e:
         raise _cuda._translated("opening the array", e) from e
     mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)

@@ -12,6 +12,7 @@ producer is not dumpable.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import os
@@ -21,13 +22,15 @@ from typing import Any
 
 from ._errors import IpcError, ProducerExitedError
 
-__all__ = ["allow_ptrace_from_any", "close_quietly", "ptrace_scope", "recv_handle", "send_handle", "take_fd"]
+__all__ = ["allow_ptrace_from_any", "close_quietly", "ptrace_scope", "recv_fds", "recv_handle", "send_handle",
+           "take_fd"]
 
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture Linux has
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _HEAD = struct.Struct("<II")  # handle bytes, descriptors
 _FDS_PER_MESSAGE = 253  # SCM_MAX_FD
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 
 def close_quietly(fd: int) -> None:
@@ -148,6 +151,18 @@ def allow_ptrace_from_any() -> None:
                        "without Yama the kernel's default rule already lets the same user take descriptors)")
 
 
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
+    """``(data, descriptors, message flags)`` of one message, as :func:`socket.recv_fds` gives them, but with
+    the descriptors closed on exec, as ``pidfd_getfd``'s are: a program this process runs must not keep the
+    producer's memory alive. (Python 3.11's ``socket.recv_fds`` ignores its ``flags`` argument.)"""
+    fds = array.array("i")
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize), _CLOEXEC)
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), flags
+
+
 def send_handle(sock: socket.socket, handle: Any) -> None:
     """Send an :class:`IpcArrayHandle` (or event handle) over an ``AF_UNIX`` socket, descriptors included.
 
@@ -175,7 +190,7 @@ def recv_handle(sock: socket.socket) -> Any:
     from ._events import IpcEventHandle
     from ._wire import ARRAY_MAGIC
 
-    head, fds, flags, _ = socket.recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)
+    head, fds, flags = recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)
     truncated = flags & socket.MSG_CTRUNC
     try:
         if len(head) != _HEAD.size:
@@ -183,7 +198,7 @@ def recv_handle(sock: socket.socket) -> Any:
         n, nfds = _HEAD.unpack(head)
         data = b""
         while len(data) < n:
-            chunk, more, flags, _ = socket.recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
+            chunk, more, flags = recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
             fds += more
             truncated |= flags & socket.MSG_CTRUNC
             if not chunk:
@@ -192,7 +207,7 @@ def recv_handle(sock: socket.socket) -> Any:
         # Exactly the marker messages the sender wrote (one per 253 descriptors past the first 253), so
         # that a short count never reads into the next handle.
         for _ in range(max(0, -(-nfds // _FDS_PER_MESSAGE) - 1)):
-            marker, more, flags, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+            marker, more, flags = recv_fds(sock, 1, _FDS_PER_MESSAGE)
             fds += more
             truncated |= flags & socket.MSG_CTRUNC
             if not marker:

@@ -303,15 +303,16 @@ def open_cached(event_handle: bytes, device: int, producer: Producer) -> IpcEven
     with _opened_lock:
         _opened[key] = ev
         while len(_opened) > _OPEN_CACHE_SIZE:
-            _opened.popitem(last=False)[1].close()
+            _opened.popitem(last=False)  # destroyed with its last user (see drop_cached)
     return ev
 
 
 def drop_cached(token: bytes | None = None) -> None:
-    """Destroy cached opened events (of one producer, or all)."""
+    """Let go of cached opened events (of one producer, or all): each is destroyed once no caller of
+    :func:`open_cached` still holds it, so that a thread that has one can still wait on it."""
     with _opened_lock:
         for key in [k for k in _opened if token is None or k[0] == token]:
-            _opened.pop(key).close()
+            del _opened[key]
 
 
 _segment.when_exited(drop_cached)  # an exited producer's events are never recorded again

@@ -38,10 +38,11 @@ import threading
 import time
 from typing import Callable
 
+from ._descriptors import close_quietly, recv_fds
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 from ._identity import this_process
 
-__all__ = ["fetch", "serve", "served"]
+__all__ = ["fetch", "retire", "serve", "served"]
 
 _COUNT = struct.Struct("<I")  # an answer: how many descriptors come with it (0: refused)
 _SECRET_BYTES = 16
@@ -161,8 +162,12 @@ def _serve_requests(conn: socket.socket, secret: bytes) -> None:
             if not 0 < n <= _MAX:
                 return
             numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
-            if hmac.compare_digest(presented, secret) and _checked_allowed(numbers, resource):
-                socket.send_fds(conn, [_COUNT.pack(n)], numbers)
+            with _sending:
+                sent = hmac.compare_digest(presented, secret) and _checked_allowed(numbers, resource)
+                if sent:
+                    # Without waiting, holding the lock: a consumer that leaves its answers unread is dropped.
+                    socket.send_fds(conn, [_COUNT.pack(n)], numbers, socket.MSG_DONTWAIT)
+            if sent:
                 _count(n)
             else:
                 conn.sendall(_COUNT.pack(0))
@@ -180,6 +185,19 @@ def _checked_allowed(numbers: list[int], resource: int) -> bool:
         return False
 
 
+# Held while a request's descriptors are checked and sent, and while an exporter closes one (retire): a
+# number closed between the check and the send could be reused for another file, which would be sent.
+_sending = threading.Lock()
+
+
+def retire(fds: list[int]) -> None:
+    """Close descriptors this process exports (that :func:`serve`'s check may have let go), never between a
+    request's check and its send. Call it holding none of the locks that the check takes."""
+    with _sending:
+        for fd in fds:
+            close_quietly(fd)
+
+
 def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
     with _lock:
         hit = _connections.get(name)
@@ -189,12 +207,21 @@ def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
     sock.settimeout(TIMEOUT_S)  # a producer that is alive but does not answer must not hang us
     try:
         sock.connect(name)
+        # Any process may bind a name in the abstract namespace once the producer has gone: the secret and
+        # our trust go only to the producer itself (the process that listens there, as the kernel says).
+        server_pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     except OSError as e:
         sock.close()
         if not _alive(pid):
             raise ProducerExitedError(f"producer process {pid} has exited", pid=pid) from None
         raise IpcError(f"could not reach producer process {pid} for the memory's descriptors: "
                        f"{os.strerror(e.errno or 0)}") from e
+    if server_pid != pid or uid not in (os.geteuid(), 0):
+        sock.close()
+        if not _alive(pid):
+            raise ProducerExitedError(f"producer process {pid} has exited", pid=pid)
+        raise IpcError(f"the descriptor server of producer process {pid} is process {server_pid} (user {uid}): "
+                       "not the producer, so it is not asked")
     with _lock:
         if name not in _connections and len(_connections) >= _prune_at:
             _prune_connections()
@@ -255,25 +282,26 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
     if len(address) <= _SECRET_BYTES:
         raise IpcError("not a descriptor server's address")
     name, secret = address[:-_SECRET_BYTES], address[-_SECRET_BYTES:]
+    request = _REQUEST.pack(secret, len(numbers), resource) + struct.pack(f"<{len(numbers)}i", *numbers)
     for attempt in (0, 1):  # a connection may have broken since its last use: one retry on a new one
         lock, sock = _connection(name, pid)
-        try:
-            with lock:
-                request = _REQUEST.pack(secret, len(numbers), resource) + struct.pack(f"<{len(numbers)}i", *numbers)
+        with lock:
+            try:
                 sock.sendall(request)
-                head, fds, flags, _ = socket.recv_fds(sock, _COUNT.size, _MAX)
-        except BaseException as e:
-            # Interrupted or failed between request and answer: an answer may still come, for the next
-            # request to take as its own. This connection is done.
-            _forget_connection(name, sock)
-            if isinstance(e, TimeoutError):
-                raise IpcError(f"producer process {pid} did not answer a request for descriptors within "
-                               f"{TIMEOUT_S:g} s") from None
-            if not isinstance(e, OSError):
-                raise
-            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # EBADF: another thread closed it
-                raise IpcError(f"asking producer process {pid} for descriptors failed: {e}") from e
-            head, fds, flags = b"", [], 0
+                head, fds, flags = recv_fds(sock, _COUNT.size, _MAX)
+            except BaseException as e:
+                # Interrupted or failed between request and answer: an answer may still come, which the next
+                # request on this connection would take as its own. So it is closed before anyone else may
+                # use it.
+                _forget_connection(name, sock)
+                if isinstance(e, TimeoutError):
+                    raise IpcError(f"producer process {pid} did not answer a request for descriptors within "
+                                   f"{TIMEOUT_S:g} s") from None
+                if not isinstance(e, OSError):
+                    raise
+                if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # EBADF: another thread closed it
+                    raise IpcError(f"asking producer process {pid} for descriptors failed: {e}") from e
+                head, fds, flags = b"", [], 0
         if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors it could not install here
             for fd in fds:
                 os.close(fd)

@@ -46,7 +46,7 @@ from . import _cuda, _pools, _reaper, _segment
 from ._args import checked_count
 from ._errors import HandleError, IpcError, warn_quietly
 
-__all__ = ["Lease", "acquire", "collect_idle", "mapped_bytes", "set_idle_mapping_limit", "counts"]
+__all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts"]
 
 
 # How memory other than a legacy handle's is mapped: (map() -> pointer, unmap(pointer), descriptors kept open).
@@ -349,7 +349,7 @@ def _drop_idle_of_exited() -> None:
         _segment.found_exited(seg)
 
 
-def mapped_bytes(ptr: int, want: int, ranges: int) -> int:
+def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:
     """How many bytes from ``ptr`` on are mapped without a gap, in at most ``ranges`` ranges (virtual memory
     imported in pieces is one range per piece; any other import is one), counting up to ``want``."""
     at = ptr
@@ -368,7 +368,7 @@ def mapped_bytes(ptr: int, want: int, ranges: int) -> int:
 def _checked(m: _Mapping, allocation_size: int, ranges: int = 1) -> _Mapping:
     """``m``, unless the driver mapped less than the handle claims (then unmapped). Only the import's own
     ``ranges`` count: another mapping may lie right after it."""
-    size = mapped_bytes(m.ptr, allocation_size, ranges)
+    size = _mapped_bytes(m.ptr, allocation_size, ranges)
     if size < allocation_size:
         m.unmap()
         raise HandleError(_forged(allocation_size, size))
@@ -461,10 +461,7 @@ class Lease:
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
         if _exiting or _release is None:
             return
-        if _reaper.collecting():  # (see _reaper)
-            _reaper.later(_release, self.mapping_key, self.claim_key, self.stream, self.device)
-        else:
-            _release(self.mapping_key, self.claim_key, self.stream, self.device)
+        _release(self.mapping_key, self.claim_key, self.stream, self.device, _reaper.collecting())
 
 
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> None:
@@ -479,20 +476,36 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -
             _unclaim(claim_key)
 
 
-def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int) -> None:
-    try:
-        if _cuda.rt().streamQuery(stream.ptr) == 0:  # the consumer's work on the memory is done
-            _finish(mapping_key, claim_key)
-            return
-        import cupy
+_DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
 
-        with _cuda.using_device(device):
-            done = cupy.cuda.Event(block=True, disable_timing=True)
-            done.record(stream)
+
+def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int,
+             defer: bool = False) -> None:
+    """Let the consumer's claim and mapping go once its work on ``stream`` is done: now, or on the library's
+    thread if ``defer`` (a garbage collection runs) or that work is still queued. The stream is looked at
+    here, on the thread that dropped the array, whose default stream it may be."""
+    try:
+        runtime = _cuda.rt()
+        ptr = stream.ptr
+        if ptr in _DEFAULT_STREAMS and runtime.getDevice() != device:
+            with _cuda.using_device(device):
+                idle = runtime.streamQuery(ptr) == 0
+        else:
+            idle = runtime.streamQuery(ptr) == 0
+        done = None
+        if not idle:
+            import cupy
+
+            with _cuda.using_device(device):
+                done = cupy.cuda.Event(block=True, disable_timing=True)
+                done.record(stream)
     except Exception as e:  # destructor path: keep the memory pinned rather than raise
         warn_quietly(f"could not order the release of a mapping: {e}")
         return
-    _reaper.later(_finish, mapping_key, claim_key, after=done, device=device)
+    if done is None and not defer:  # the consumer's work on the memory is done
+        _finish(mapping_key, claim_key)
+    else:
+        _reaper.later(_finish, mapping_key, claim_key, after=done, device=device)
 
 
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,

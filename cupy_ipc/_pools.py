@@ -17,9 +17,9 @@ import sys
 import threading
 from typing import Any, Callable
 
-from . import _cuda, _reaper, _segment
+from . import _cuda, _fdserver, _reaper, _segment
 from ._descriptors import close_quietly
-from ._errors import IpcError, ProducerExitedError
+from ._errors import IpcError, ProducerExitedError, warn_quietly
 
 __all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received_fd", "release_exited",
            "send_on", "ShareableMemoryPool"]
@@ -81,7 +81,7 @@ def _forget_export(pool: int) -> None:
     with _lock:
         hit = _exports.pop(pool, None)
     if hit is not None:
-        close_quietly(hit[0])
+        _fdserver.retire([hit[0]])
 
 
 def send_on(token: bytes, pool_id: int) -> tuple[int, int]:
@@ -186,7 +186,7 @@ def release_exited() -> int:
             _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
             gone.append(hit)
     for pool, fd, _ in gone:
-        os.close(fd)
+        _fdserver.retire([fd])  # (it may have been sent on)
         _driver().cuMemPoolDestroy(pool)
     return len(gone)
 
@@ -290,17 +290,23 @@ class _DriverPools:
         # as a default: module globals may be gone when the last block goes at exit.)
         if getattr(self, "pid", None) != _getpid() or self.finalizing():
             return  # shutting down, or a forked child's copy: the driver's state is not ours to change
-        pools, self.pools = list(self.pools.values()), {}
+        pools, self.pools = list(self.pools.items()), {}
         if _reaper.collecting():  # in a cycle of the user's making (see _reaper)
             _reaper.later(_destroy, pools)
         else:
             _destroy(pools)
 
 
-def _destroy(pools: list[Any]) -> None:
-    for pool in pools:
+def _destroy(pools: list[tuple[int, Any]]) -> None:
+    """Destroy ``(GPU, pool)`` pools, each with its GPU current (on the library's thread, none may be yet)."""
+    for device, pool in pools:
         _forget_export(int(pool))
-        _driver().cuMemPoolDestroy(pool)  # frees still queued on a stream finish first
+        try:
+            with _cuda.using_device(device):
+                (err,) = _driver().cuMemPoolDestroy(pool)  # frees still queued on a stream finish first
+            _cuda.check("destroying a shareable memory pool", err)
+        except Exception as e:  # destructor path: warn, never raise
+            warn_quietly(f"could not destroy the memory pool of GPU {device}: {e}")
 
 
 class ShareableMemoryPool:

@@ -54,6 +54,8 @@ def collecting() -> bool:
 def start() -> None:
     """Start the thread, if it is not running: before making anything whose finalizer may call :func:`later`."""
     global _running
+    if _note_collection not in gc.callbacks:  # (code that clears the list would silently undo the deferral)
+        gc.callbacks.append(_note_collection)
     if _running:
         return
     with _start_lock:

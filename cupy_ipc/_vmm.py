@@ -24,13 +24,13 @@ import sys
 import threading
 from typing import Any
 
-from . import _cuda, _reaper
+from . import _cuda, _fdserver, _reaper
 from ._descriptors import close_quietly
 from ._errors import IpcError, warn_quietly
 from ._wire import MAX_PIECES
 
 __all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exported_run", "exports", "import_mapping",
-           "is_vmm", "pieces_id", "pieces_of", "sweep", "sweep_if_grown", "unmap"]
+           "is_vmm", "pieces_id", "pieces_of", "still_mapped", "sweep", "sweep_if_grown", "unmap"]
 
 _lock = threading.Lock()
 _ids = itertools.count(1)
@@ -125,6 +125,21 @@ def exported_run(fds: list[int], resource: int) -> list[tuple[int, int]] | None:
         return [_exports[i][1][:2] for i in ids]  # type: ignore[index]
 
 
+def still_mapped(run: list[tuple[int, int]]) -> int:
+    """How many bytes from the first piece of ``run`` (as :func:`exported_run` gives it) on are its pieces,
+    each still mapped where it was exported, one after another."""
+    at = start = run[0][0]
+    for base, buffer_id in run:
+        try:
+            mapped, size = _cuda.address_range(base)
+            if base != at or mapped != base or _cuda.pointer_info(base).buffer_id != buffer_id:
+                break
+        except IpcError:  # nothing mapped there any more
+            break
+        at = base + size
+    return at - start
+
+
 # Errors that say nothing about the address (no context on this thread, a driver shutting down): keep.
 _UNSURE = ("CUDA_ERROR_INVALID_CONTEXT", "CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_DEINITIALIZED",
            "CUDA_ERROR_CONTEXT_IS_DESTROYED")
@@ -151,15 +166,17 @@ def sweep() -> int:
     with _lock:
         items = list(_exports.items())
     gone = [(alloc_id, fd, key) for alloc_id, (fd, key) in items if not _still_mapped(key)]
+    closing = []
     with _lock:
         for alloc_id, fd, key in gone:
             if _exports.pop(alloc_id, None) is not None:
                 if _by_fd.get(fd) == alloc_id:  # before the close, which frees the number for reuse
                     del _by_fd[fd]
-                os.close(fd)
+                closing.append(fd)
                 if _by_mapping.get(key) == alloc_id:
                     del _by_mapping[key]
         _sweep_at = max(_SWEEP_FLOOR, 2 * len(_exports))
+    _fdserver.retire(closing)  # outside _lock, which the descriptor server's check takes
     return len(gone)
 
 

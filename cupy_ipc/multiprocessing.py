@@ -116,9 +116,23 @@ def _errors_reach_the_receiver(reduce: Callable[[Any], Any]) -> Callable[[Any], 
         except IpcError as e:
             if threading.current_thread().name != "QueueFeederThread" or _feeder_handles_errors():
                 raise
-            return _raise_received, (f"{type(obj).__module__}.{type(obj).__qualname__}", str(e), e.cuda_error)
+            raise _Refused(f"{type(obj).__module__}.{type(obj).__qualname__}", str(e), e.cuda_error) from None
 
     return wrapper
+
+
+class _Refused(Exception):
+    """A part of a message that a queue's feeder thread cannot share: the message's exports are released
+    (see :func:`_dump`) and the message is sent as this error instead (:func:`_dumps`), so that no part of it
+    stays pinned for a receiver that raises before opening it."""
+
+
+class _Refusal:
+    def __init__(self, *why: Any) -> None:
+        self.why = why
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _raise_received, self.why
 
 
 def _feeder_handles_errors() -> bool:
@@ -160,6 +174,19 @@ def _dump(pickler: ForkingPickler, obj: Any) -> None:
         _in_message.exports = outer
     if outer is not None:  # pickled inside another message (by a reducer), whose failure releases these too
         outer.extend(exports)
+
+
+_plain_dumps = ForkingPickler.dumps.__func__  # type: ignore[attr-defined]
+
+
+def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
+    # What a queue's feeder thread pickles each message with.
+    try:
+        return _plain_dumps(cls, obj, protocol)
+    except _Refused as e:
+        if getattr(_in_message, "exports", None) is not None:  # a part of another message: refused whole
+            raise
+        return _plain_dumps(cls, _Refusal(*e.args), protocol)
 
 
 # --- cupy.ndarray ----------------------------------------------------------------
@@ -297,6 +324,7 @@ def init_reductions() -> None:
     ForkingPickler.register(cupy.cuda.Event, _reduce_cupy_event)
     ForkingPickler.dump = _dump  # type: ignore[method-assign]  # every message, by Connection.send,
     # queues (dumps) and a spawned Process's arguments (reduction.dump)
+    ForkingPickler.dumps = classmethod(_dumps)  # type: ignore[assignment,method-assign]
     _registered = True
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -325,6 +326,7 @@ def test_a_request_that_timed_out_leaves_no_answer_for_the_next(monkeypatch):
     try:
         with pytest.raises(IpcError, match="did not answer"):
             fetch(name, os.getpid(), [slow])
+        monkeypatch.setattr(_fdserver, "TIMEOUT_S", 30.0)  # the server checks one request at a time
         (got,) = fetch(name, os.getpid(), [fast])
         assert _read(got) == b"fast"
         os.close(got)
@@ -442,3 +444,67 @@ def test_a_connection_closed_under_a_request_is_replaced():
     finally:
         _fdserver._close_connections()
         os.close(fd)
+
+
+def test_descriptors_received_close_on_exec():
+    # A program this process runs must not keep the producer's memory alive.
+    fd = _memfd(b"served")
+    name = serve(lambda fds, _: fds == [fd])
+    (got,) = fetch(name, os.getpid(), [fd])
+    try:
+        assert not os.get_inheritable(got)
+        assert _read(got) == b"served"
+    finally:
+        os.close(got)
+        os.close(fd)
+
+
+def test_a_server_that_is_not_the_producers_is_not_asked():
+    # Once a producer has gone, any process may listen at its name: the consumer must not send it the secret
+    # nor take descriptors from it. Here the server is this process's, and the producer named another one.
+    from cupy_ipc import _fdserver
+
+    fd = _memfd(b"served")
+    name = serve(lambda fds, _: fds == [fd])
+    _fdserver._close_connections()  # the check is made on connecting
+    try:
+        with pytest.raises(IpcError, match="not the producer"):
+            fetch(name, os.getppid(), [fd])  # a live process, not the one listening
+        pid = _child(lambda: "gone", pipe_out=os.open(os.devnull, os.O_WRONLY))
+        os.waitpid(pid, 0)
+        with pytest.raises(ProducerExitedError):
+            fetch(name, pid, [fd])  # a process that has exited
+    finally:
+        os.close(fd)
+
+
+def test_an_exporter_closing_a_descriptor_waits_for_a_request_being_served():
+    # Closed between a request's check and its send, the number could be reused by another file, which the
+    # server would send in its place.
+    from cupy_ipc import _fdserver
+
+    fd = _memfd(b"exported")
+    checking, go = threading.Event(), threading.Event()
+
+    def allowed(numbers: list[int], resource: int) -> bool:
+        checking.set()
+        go.wait(10)
+        return numbers == [fd]
+
+    name = serve(allowed)
+    got: list[int] = []
+    asking = threading.Thread(target=lambda: got.extend(fetch(name, os.getpid(), [fd])))
+    asking.start()
+    try:
+        assert checking.wait(10)
+        closing = threading.Thread(target=_fdserver.retire, args=([fd],))
+        closing.start()
+        closing.join(0.3)
+        assert closing.is_alive(), "the descriptor was closed while a request for it was being checked"
+    finally:
+        go.set()
+        asking.join(10)
+    closing.join(10)
+    assert not closing.is_alive() and len(got) == 1
+    assert _read(got[0]) == b"exported"
+    os.close(got[0])

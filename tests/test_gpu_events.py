@@ -94,3 +94,24 @@ def test_pickled_event_opens_in_another_process(consumer):
     r = consumer.call("event_lifecycle", pickle.loads(pickle.dumps(ev.get_ipc_handle())).to_bytes())
     assert r["opened"] and r["gc_destroyed"]
     np.testing.assert_equal(ev.query(), True)
+
+
+def test_a_cached_ordering_event_stays_usable_by_a_thread_holding_it_when_the_cache_lets_go(remote):
+    # The consumer's cache of the ordering events it opened is emptied by collect(), by an exited producer and
+    # by eviction, any of them on another thread while an open is about to wait on one of its events.
+    import weakref
+
+    import cupy_ipc
+    from cupy_ipc import _events
+
+    producer = remote()
+    h = cupy_ipc.IpcArrayHandle.from_bytes(producer.call("export_after_spin", 1 << 16, 0.5, True))
+    assert h.synced
+    ev = _events.open_cached(h._f.event_handle, 0, h.producer)
+    cupy_ipc.collect()  # lets go of every cached event
+    assert not ev.closed
+    ev.synchronize()
+    assert ev.query()
+    gone = weakref.ref(ev)
+    del ev  # its last user: destroyed now
+    assert gone() is None

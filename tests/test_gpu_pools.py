@@ -29,6 +29,17 @@ def _expected_sum(n=N, offset=0.0):
     return float(np.arange(n, dtype=np.float64).sum() + n * offset)
 
 
+def test_a_pool_array_that_the_garbage_collector_frees_inside_the_librarys_code_is_let_go(remote):
+    # Letting an imported pool allocation go takes the pools' lock: run by a collection that interrupted code
+    # holding it, on the same thread, it would wait forever.
+    import cupy_ipc
+
+    pool, a = _shareable()
+    consumer = remote()
+    r = consumer.call("collect_a_cycle_holding_the_pools_lock", cupy_ipc.get_ipc_handle(a).to_bytes())
+    assert r == {"value": 0.0, "stuck": False, "mapped": 0}
+
+
 def test_pool_array_round_trips_as_bytes_through_pidfd_getfd(remote):
     import cupy
 

@@ -375,9 +375,31 @@ def test_the_size_check_of_an_import_counts_only_its_own_ranges():
 
     a = vmm_array(2 * N, pieces=2)  # two 4 MiB pieces, adjacent
     ptr, piece = a.data.ptr, a.nbytes // 2
-    assert _mapping.mapped_bytes(ptr, a.nbytes, 2) == a.nbytes
-    assert _mapping.mapped_bytes(ptr, a.nbytes, 1) == piece
-    assert _mapping.mapped_bytes(ptr, piece, 2) == piece  # counts no further than asked
+    assert _mapping._mapped_bytes(ptr, a.nbytes, 2) == a.nbytes
+    assert _mapping._mapped_bytes(ptr, a.nbytes, 1) == piece
+    assert _mapping._mapped_bytes(ptr, piece, 2) == piece  # counts no further than asked
+
+
+def test_own_virtual_memory_in_pieces_opens_here_and_a_forged_size_is_refused():
+    # Opened where it was exported (keepalive off: no pin vouches for it), a handle of virtual memory is checked
+    # against the run of pieces exported under its descriptors and id, each still where it was exported.
+    import cupy_ipc
+    from cupy_ipc import _wire
+
+    from workers import vmm_array
+
+    a = vmm_array(2 * N, pieces=2)
+    for view in (a, a[N + 8:]):  # the whole run, and a view within its second piece alone
+        h = cupy_ipc.get_ipc_handle(view, keepalive=False, sync=False)
+        assert h.kind == "vmm"
+        with h as opened:
+            assert float(opened[0]) == float(view[0]) and opened.data.ptr == view.data.ptr
+        f = _wire.unpack_array(h.to_bytes())
+        size = f.allocation_size + (4 << 20)  # one piece more than was exported
+        forged = f._replace(allocation_size=size, more=(*f.more, (f.fd, 4 << 20)), offset=0, shape=(size,),
+                            strides=(1,), dtype=np.dtype("uint8"))
+        with pytest.raises(cupy_ipc.IpcError, match="forged"):
+            cupy_ipc.IpcArrayHandle.from_bytes(_wire.pack_array(forged)).open()
 
 
 def test_freeing_virtual_memory_waits_for_work_queued_on_it(remote):

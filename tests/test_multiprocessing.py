@@ -164,3 +164,17 @@ def test_a_message_that_fails_to_pickle_releases_its_exports(exported):
         dumps(_Nested([inner, lambda: 0]))
     assert inner.released
     assert getattr(mp._in_message, "exports", None) is None  # nothing left over for the next message
+
+
+def test_a_refusal_on_a_queues_feeder_thread_releases_what_its_message_exported(unshareable, exported):
+    # The receiver raises where the refused part was: the parts exported before it would stay pinned for good.
+    q = multiprocessing.get_context("spawn").Queue()
+    before = _Exported()
+    try:
+        q.put([before, _Unshareable(), _Exported()])
+        with pytest.raises(cupy_ipc.IpcError, match="could not share a .*_Unshareable"):
+            q.get(timeout=10)
+        assert before.released
+    finally:
+        q.close()
+        q.join_thread()

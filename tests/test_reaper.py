@@ -25,13 +25,12 @@ def _lease() -> _mapping.Lease:
 
 def _driver_pools() -> _pools._DriverPools:
     pools = _pools._DriverPools(None)
-    pools.pools[0] = 1
+    pools.pools[0] = 1  # a pool of GPU 0, whose handle the recorder gets
     return pools
 
 
 # What each finalizer calls (recorded instead: the real calls need a GPU), and how to make its object.
 FINALIZED = {
-    "mapping lease": (_mapping, "_release", _lease),
     "pool": (_pools, "_destroy", _driver_pools),
     "virtual memory": (_vmm, "_free_allocated", lambda: _vmm._Owner(0x1000, [64], 0)),
 }
@@ -56,6 +55,20 @@ def test_an_object_that_the_garbage_collector_frees_is_finalized_on_the_librarys
         gc.collect()
     assert _eventually(lambda: len(ran) == 2)
     assert ran[1] == "cupy_ipc-reaper"
+
+
+def test_a_lease_that_the_garbage_collector_frees_defers_the_end_of_its_release(monkeypatch):
+    # Its consumer's stream is looked at on the finalizing thread (whose default stream it may be); the claim
+    # and mapping, which take the library's locks, are let go on the library's thread (a GPU test runs it).
+    deferred: list[bool] = []
+    monkeypatch.setattr(_mapping, "_release", lambda *args: deferred.append(args[-1]))
+    dropped = _lease()
+    del dropped
+    cycle: list[object] = [_lease()]
+    cycle.append(cycle)
+    del cycle
+    gc.collect()
+    assert deferred == [False, True]
 
 
 def test_the_release_thread_outlives_failures_whose_warnings_are_errors():

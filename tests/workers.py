@@ -556,6 +556,32 @@ def open_pool_bytes(data: bytes) -> dict[str, Any]:
     return {"kind": h.kind, "sum": total, "pools_imported": len(_pools._imports)}
 
 
+def collect_a_cycle_holding_the_pools_lock(data: bytes) -> dict[str, Any]:
+    """Open a pool array, leave it in a reference cycle, and have a thread holding the pools' lock collect it
+    (as an allocation in the library's code would); whether that thread got stuck, and what is mapped after."""
+    import threading
+
+    from cupy_ipc import IpcArrayHandle, _mapping, _pools
+
+    arr = IpcArrayHandle.from_bytes(data)._open()
+    value = float(arr[0])
+    cycle: list[Any] = [arr]
+    cycle.append(cycle)
+    del arr, cycle
+
+    def collect() -> None:
+        with _pools._lock:
+            gc.collect()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    collector.join(20)
+    deadline = time.monotonic() + 10
+    while _mapping.counts()["mapped"] and time.monotonic() < deadline:  # let go on the library's thread
+        time.sleep(0.01)
+    return {"value": value, "stuck": collector.is_alive(), "mapped": _mapping.counts()["mapped"]}
+
+
 def collect_pools() -> dict[str, int]:
     """``cupy_ipc.collect()`` after a garbage collection; the pools imported after it, and the descriptors."""
     import cupy_ipc
