@@ -54,18 +54,24 @@ def _memory_handle(base: int, buffer_id: int) -> bytes:
     if raw is None:
         runtime = _cuda.rt()
         raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
-        if len(_handle_cache) >= _HANDLE_CACHE_SIZE:
-            _handle_cache.clear()
+        _remember_export(raw, base, buffer_id)  # (which may empty the caches first)
         _handle_cache[buffer_id] = raw
-        _remember_export(raw, base, buffer_id)
     return raw
 
 
 def _remember_export(handle: bytes, base: int, buffer_id: int) -> None:
     """Note that ``handle`` (a memory handle or pool export data) names our allocation at ``base``."""
-    if len(_exported) >= _HANDLE_CACHE_SIZE:
-        _exported.clear()
+    if len(_exported) >= _HANDLE_CACHE_SIZE or len(_handle_cache) >= _HANDLE_CACHE_SIZE:
+        _forget_exports()
     _exported[handle] = (base, buffer_id)
+
+
+def _forget_exports() -> None:
+    """Empty the export caches together: a handle that skips :func:`_memory_handle` (cached with its array,
+    or its buffer's) must still be known as ours when another process sends it back."""
+    _handle_cache.clear()
+    _exported.clear()
+    _by_array.clear()
 
 
 _warned_across: set[tuple[int, int]] = set()
@@ -204,7 +210,9 @@ def _template(arr: Any) -> ArrayFields:
     elif (legacy := _cuda.legacy_info(arr.data.ptr)) is not None:
         base, size, buffer_id = legacy
         memory_handle = _memory_handle(base, buffer_id)
-        plain = True
+        # A layout remembered for the fast path of plain arrays, whose GPU is the memory's: not our own
+        # memory opened here, perhaps on a peer GPU (its handle names the memory's).
+        plain = not isinstance(owner, _mapping.Lease)
     else:
         info = _cuda.pointer_info(arr.data.ptr)
         if info.memory_type != "device":

@@ -113,14 +113,20 @@ class using_device:
 
     def __enter__(self) -> None:
         runtime = rt()
-        self.previous = runtime.getDevice()
-        if self.previous != self.ordinal:
-            runtime.setDevice(self.ordinal)
+        try:
+            self.previous = runtime.getDevice()
+            if self.previous != self.ordinal:
+                runtime.setDevice(self.ordinal)
+        except _runtime_error() as e:
+            raise _translated(f"making GPU {self.ordinal} current", e) from e
 
     def __exit__(self, *exc: object) -> None:
         if self.previous != self.ordinal:
             runtime = rt()
-            runtime.setDevice(self.previous)
+            try:
+                runtime.setDevice(self.previous)
+            except _runtime_error() as e:
+                raise _translated(f"making GPU {self.previous} current again", e) from e
 
 
 def unavailable_reason() -> str | None:

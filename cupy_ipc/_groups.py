@@ -143,10 +143,14 @@ class Gathered(Sequence[Any]):
 
     def close(self) -> None:
         """Drop the other ranks' arrays. Idempotent."""
-        self._arrays = [a if r == self.rank else None for r, a in enumerate(self._arrays)]
-        for h in self._handles:
+        # In place: the lists may be held elsewhere too (by the frame of a failed all_gather, which its
+        # exception keeps), and their arrays' mappings must go now.
+        arrays = self._arrays
+        arrays[:] = [a if r == self.rank else None for r, a in enumerate(arrays)]
+        handles, self._handles = self._handles, []
+        for h in handles:
             h.close()
-        self._handles = []
+        handles.clear()
 
     def __enter__(self) -> "Gathered":
         return self

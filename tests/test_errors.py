@@ -99,3 +99,14 @@ def test_raised_handle_error_pickles():
     assert type(copy) is HandleError
     assert str(copy) == str(info.value)
     assert "4 bytes" in str(copy)
+
+
+def test_a_gpu_that_cannot_be_made_current_raises_ipc_error_naming_it():
+    # Here the driver refuses (no GPU: every call fails; on a GPU machine: no such ordinal); either way the
+    # CUDA error comes out as the library's, as every other CUDA failure does.
+    from cupy_ipc import _cuda
+
+    with pytest.raises(IpcError, match="making GPU 999 current failed") as e:
+        with _cuda.using_device(999):
+            pass
+    assert e.value.cuda_error

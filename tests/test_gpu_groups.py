@@ -53,6 +53,23 @@ def test_cross_device_open_both_ways_and_staged(reversed_consumer):
             cupy_ipc.IpcArrayHandle.from_bytes(d).release()
 
 
+def test_our_memory_opened_on_a_peer_gpu_and_sent_on_leaves_plain_arrays_of_its_layout_their_own_gpu():
+    # The export of our own memory opened on GPU 1 names the memory's GPU 0: the layout kept for the fast
+    # export of plain arrays must not carry that GPU to GPU 1's own arrays of the same layout.
+    import cupy
+
+    import cupy_ipc
+
+    with cupy.cuda.Device(0):
+        a = cupy.arange(24, dtype=cupy.float32)
+    with cupy.cuda.Device(1):
+        opened = cupy_ipc.get_ipc_handle(a).open(device=1)
+        assert cupy_ipc.get_ipc_handle(opened).device.ordinal == 0
+        for _ in range(2):  # a first array of the layout on GPU 1, then one the fast path exports
+            plain = cupy.arange(24, dtype=cupy.float32)
+            assert cupy_ipc.get_ipc_handle(plain).device.ordinal == 1
+
+
 def test_waiting_on_another_gpus_event_orders_on_the_host(remote):
     # A stream of another GPU cannot wait on an opened IPC event (the process dies): wait() blocks the host instead.
     import cupy

@@ -155,3 +155,21 @@ def test_a_rank_that_cannot_share_its_array_fails_every_rank_instead_of_leaving_
     for e in errors:
         assert isinstance(e, cupy_ipc.IpcError), e
         assert "rank 0 could not share its array" in str(e) and "rank 1 could not share its array" in str(e)
+
+
+def test_closing_a_result_drops_the_other_ranks_arrays_wherever_its_lists_are_held():
+    # A failed all_gather closes its result and raises: the exception keeps its frame, which holds the same
+    # lists, and the peers' mappings (with their claims on the peers' memory) must still go.
+    from cupy_ipc._groups import Gathered
+
+    class Handle:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    arrays, handles = ["mine", "theirs", "another"], [Handle(), Handle()]
+    opened = list(handles)
+    Gathered(0, arrays, handles).close()
+    assert arrays == ["mine", None, None] and handles == []
+    assert all(h.closed for h in opened)
