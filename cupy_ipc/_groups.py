@@ -147,10 +147,9 @@ class Gathered(Sequence[Any]):
         # exception keeps), and their arrays' mappings must go now.
         arrays = self._arrays
         arrays[:] = [a if r == self.rank else None for r, a in enumerate(arrays)]
-        handles, self._handles = self._handles, []
-        for h in handles:
-            h.close()
-        handles.clear()
+        handles = self._handles
+        while handles:  # one at a time: if a close raises, a later close() still closes the rest
+            handles.pop().close()
 
     def __enter__(self) -> "Gathered":
         return self
