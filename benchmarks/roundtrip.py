@@ -7,7 +7,9 @@ ack, timed by the producer. Methods:
 
 - ``bare``: a 200-byte message, no GPU work (the queue's own floor);
 - ``raw``: CuPy runtime calls by hand (``ipcGetMemHandle``/``ipcOpenMemHandle``),
-  no keep-alive and no ordering: the floor for zero-copy sharing;
+  no keep-alive and no ordering: the floor for zero-copy sharing (the producer
+  synchronizes each buffer's fill, untimed, as its user would have to; the
+  consumer closes its cached mappings before the producer frees the buffers);
 - ``cupy_ipc``: ``get_ipc_handle``/``IpcArrayHandle.open`` with keep-alive and
   ordering on (the defaults), the handle's bytes on the queue;
 - ``cupy_ipc-nosync``, ``cupy_ipc-nokeep``, ``cupy_ipc-unsafe`` (only when
@@ -27,10 +29,13 @@ ack, timed by the producer. Methods:
 previous one is freed, untimed, after its ack). *re-sent*: the same buffer
 every message, so handles and mappings may be reused where a method can.
 
-The methods run in ``--rounds`` rounds, in a rotated order each round, and the
+The methods run in ``--rounds`` rounds, in an order that gives each method
+the same mean position over each pair of rounds (see :func:`order`), and the
 samples of all rounds are pooled: a machine whose speed drifts during the run
 then shifts every method alike, and the ratios stay fair. Each method gets one
-consumer process per round, which serves all its sizes.
+consumer process per round, which serves all its sizes. Re-sent cases get three
+warm-up messages at least (a re-sent buffer takes its fastest path from its
+third message on), and fresh ones run at most 8 GiB of buffers per case.
 
 Usage::
 
@@ -62,6 +67,7 @@ METHODS = ("bare", "raw", "cupy_ipc", "mp", "pool", "vmm", "torch", "staging")
 VARIANTS = {"cupy_ipc-nosync": {"sync": False}, "cupy_ipc-nokeep": {"keepalive": False},
             "cupy_ipc-unsafe": {"sync": False, "keepalive": False}}
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+FLUSH = "flush"  # to a consumer: close the mappings kept for re-sent buffers, which are about to be freed
 
 
 def parse_size(text: str) -> int:
@@ -149,6 +155,12 @@ def consumer(method: str, inbox: Any, outbox: Any) -> None:
         msg = inbox.get()
         if msg is None:
             break
+        if isinstance(msg, str) and msg == FLUSH:  # the producer frees its buffers next: close what raw keeps mapped
+            for ptr in mapped.values():
+                close_raw(ptr, False)
+            mapped.clear()
+            outbox.put(FLUSH)
+            continue
         value = consume(method, msg, mapped)
         del msg
         if profiler is not None:
@@ -239,11 +251,16 @@ def new_buffer(method: str, nbytes: int, value: int) -> Any:
     return arr
 
 
+def unordered(method: str) -> bool:
+    """Whether ``method`` orders nothing (raw calls, and the variants without ordering): its user owes a
+    synchronize before sending, which these loops make untimed."""
+    return method == "raw" or VARIANTS.get(method, {}).get("sync") is False
+
+
 def fresh_buffer(method: str, nbytes: int) -> Any:
-    """A new buffer of ones for one message; synchronized, untimed, for a variant without ordering (what its
-    user then owes)."""
+    """A new buffer of ones for one message; synchronized, untimed, for a method without ordering."""
     arr = new_buffer(method, nbytes, 1)
-    if VARIANTS.get(method, {}).get("sync") is False:
+    if unordered(method):
         import cupy
 
         cupy.cuda.get_current_stream().synchronize()
@@ -262,10 +279,13 @@ def _shareable_pool() -> Any:
 
 
 def free_buffers(method: str) -> None:
-    # Untimed: give the memory back so the next fresh buffer is a new allocation.
+    # Untimed: give the memory back so the next fresh buffer is a new allocation. A cupy_ipc pin ends at the
+    # next export's sweep, timed as in a pipeline; its buffer goes to CuPy's pool then, and is freed here
+    # after that message, while that message's buffer is already allocated. The pools and virtual memory,
+    # whose allocations could come back at once, are let go here.
     import cupy
 
-    if method in ("cupy_ipc", "mp", "pool", "vmm", *VARIANTS):
+    if method in ("pool", "vmm"):
         import cupy_ipc
 
         cupy_ipc.collect()
@@ -343,6 +363,10 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
             times: list[float] = []
             cache: dict[str, Any] = {}
             arr = new_buffer(method, nbytes, 1) if resent else None
+            if resent and unordered(method):
+                import cupy
+
+                cupy.cuda.runtime.deviceSynchronize()
             for i in range(warmup + iters):
                 if not resent:
                     arr = fresh_buffer(method, nbytes)
@@ -362,6 +386,9 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
                     arr = None
                     free_buffers(method)
             arr = None
+            if resent and method == "raw":
+                inbox.put(FLUSH)
+                receive(outbox, proc, 600, f"the {method} consumer")
             free_buffers(method)
             report((nbytes, method, resent), times)
         _print_profile(profiler, f"{method} producer")
@@ -417,6 +444,19 @@ def summary(t: list[float]) -> dict[str, float]:
     }
 
 
+def order(methods: list[str], r: int) -> list[str]:
+    """The methods in round ``r``: rotated by ``r // 2``, reversed in odd rounds, so that each pair of rounds
+    gives every method the same mean position (a machine drifting within a round then shifts all alike).
+
+    Example:
+        >>> [order(["a", "b", "c"], r) for r in range(4)]
+        [['a', 'b', 'c'], ['c', 'b', 'a'], ['b', 'c', 'a'], ['a', 'c', 'b']]
+    """
+    k = (r // 2) % len(methods)
+    rotated = methods[k:] + methods[:k]
+    return rotated if r % 2 == 0 else rotated[::-1]
+
+
 def run(sizes: list[int], methods: list[str], iters: int, rounds: int, warmup: int) -> list[dict[str, Any]]:
     """Every (size, method, fresh/re-sent) case, in rotated rounds; one result row per case."""
     unknown = [m for m in methods if m not in METHODS and m not in VARIANTS]
@@ -427,15 +467,18 @@ def run(sizes: list[int], methods: list[str], iters: int, rounds: int, warmup: i
              if not (method == "bare" and resent)]
     samples: dict[tuple[int, str, bool], list[float]] = {case: [] for case in cases}
     for r in range(rounds):
-        for i in range(len(methods)):
-            method = methods[(i + r) % len(methods)]
+        for method in order(methods, r):
             todo = []
             for nbytes, m, resent in cases:
                 if m != method:
                     continue
-                total = max(3, min(iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
+                total = iters
+                if not resent or method == "staging":  # each message fills (or copies) a whole buffer
+                    total = max(3, min(iters, (8 << 30) // max(nbytes, 1) // (1 if method != "staging" else 8)))
                 n = max(1, total // rounds)
-                todo.append((nbytes, resent, n, min(warmup, max(1, n // 10))))
+                # A re-sent buffer takes its fastest path from its third message on (cupy_ipc keeps a mapping
+                # idle once released twice): three warm-up messages at least.
+                todo.append((nbytes, resent, n, max(3 if resent else 1, min(warmup, n // 10))))
 
             def report(case: tuple[int, str, bool], t: list[float], r: int = r) -> None:
                 samples[case].extend(t)

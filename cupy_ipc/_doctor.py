@@ -63,8 +63,13 @@ def _host() -> dict[str, Any]:
 def _segments() -> dict[str, Any]:
     from ._segment import _dir
 
-    path = _dir()
-    return {"dir": path, "writable": os.access(path, os.W_OK), "shared_memory": path == "/dev/shm"}
+    try:
+        path: str | None = _dir()
+    except OSError:  # /dev/shm unusable, and no writable temporary directory either
+        path = None
+    shm = "missing" if not os.path.isdir("/dev/shm") else "writable" if os.access("/dev/shm", os.W_OK) else "read-only"
+    return {"dir": path, "writable": path is not None and os.access(path, os.W_OK),
+            "shared_memory": path == "/dev/shm", "dev_shm": shm}
 
 
 def _open_files() -> dict[str, int | None]:
@@ -249,19 +254,16 @@ _POOL: dict[str, Any] = {"name": "pool-fd", "title": "descriptors, stream-ordere
 
 def _descriptor_support(devices: list[int], attribute: str, what: str) -> str | None:
     """Why ``what`` cannot be shared by POSIX descriptor on ``devices`` (the device ``attribute`` says), or None."""
-    try:
-        driver = _cuda._driver()
-        attr = getattr(driver.CUdevice_attribute, attribute)
-        posix = _cuda.posix_fd()
-        for d in devices:
-            err, value = driver.cuDeviceGetAttribute(attr, d)
-            # The pool attribute is a mask of handle types; the virtual-memory one is a yes or no.
-            ok = err == driver.CUresult.CUDA_SUCCESS and (
-                int(value) & int(posix) if "MEMPOOL" in attribute else bool(value))
-            if not ok:
-                return f"GPU {d} cannot share {what} by POSIX file descriptor"
-    except Exception as e:  # noqa: BLE001 - reported as the reason
-        return f"{type(e).__name__}: {e}"
+    driver = _cuda._driver()
+    attr = getattr(driver.CUdevice_attribute, attribute)
+    posix = _cuda.posix_fd()
+    for d in devices:
+        err, value = driver.cuDeviceGetAttribute(attr, d)
+        # The pool attribute is a mask of handle types; the virtual-memory one is a yes or no.
+        ok = err == driver.CUresult.CUDA_SUCCESS and (
+            int(value) & int(posix) if "MEMPOOL" in attribute else bool(value))
+        if not ok:
+            return f"GPU {d} cannot share {what} by POSIX file descriptor"
     return None
 
 
@@ -328,7 +330,11 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
 def _descriptor_mode(usable: list[int], mode: dict[str, Any], self_test: bool, attribute: str, what: str,
                      allocator: Any) -> dict[str, Any]:
     """A mode shared by descriptor: unavailable (and why), self-tested with ``allocator()``, or not tested."""
-    missing = _descriptor_support(usable, attribute, what) if usable else "no GPU admits a second process"
+    try:
+        missing = _descriptor_support(usable, attribute, what) if usable else "no GPU admits a second process"
+    except Exception as e:  # noqa: BLE001 - the check itself failed: the mode cannot be said to work
+        return {**mode, "works": False, "detail": f"{type(e).__name__}: {e}", "cause": str(e),
+                "remedy": "run `python -m cupy_ipc demo` to see the failing step; check the items above"}
     if missing:
         return {**mode, "available": False, "works": None, "detail": missing}
     if not self_test:
@@ -354,14 +360,19 @@ def _problems(report: dict[str, Any]) -> list[dict[str, str]]:
     if host["wsl"]:
         out.append({"what": "WSL", "cause": "WSL does not support CUDA IPC handles",
                     "remedy": "run on native Linux"})
-    if not report["segments"]["writable"]:
-        out.append({"what": f"{report['segments']['dir']} not writable",
-                    "cause": "cupy_ipc keeps each producer's liveness segment there",
+    seg = report["segments"]
+    if not seg["writable"]:
+        out.append({"what": f"{seg['dir']} not writable" if seg["dir"] else "no writable directory for segments",
+                    "cause": "cupy_ipc keeps each producer's liveness segment in /dev/shm (else the temporary "
+                    "directory)",
                     "remedy": "mount /dev/shm writable (in a container: --ipc=host or --shm-size)"})
-    elif not report["segments"]["shared_memory"]:
-        out.append({"what": "no /dev/shm", "cause": f"segments fall back to {report['segments']['dir']}, "
-                    "which processes in other containers may not see",
-                    "remedy": "share /dev/shm between the processes (--ipc=host)"})
+    elif not seg["shared_memory"]:
+        read_only = seg.get("dev_shm") == "read-only"
+        out.append({"what": "/dev/shm read-only" if read_only else "no /dev/shm",
+                    "cause": f"segments fall back to {seg['dir']}, which processes in other containers, or with "
+                    "another TMPDIR, may not see",
+                    "remedy": "mount /dev/shm writable (in a container: --ipc=host or --shm-size)" if read_only
+                    else "share /dev/shm between the processes (--ipc=host)"})
     for g in report["gpus"]:
         if g["compute_mode"] in ("exclusive-process", "exclusive-thread", "prohibited"):
             out.append({"what": f"GPU {g['ordinal']} compute mode {g['compute_mode']}",
@@ -439,7 +450,9 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
         ]
     report["problems"] = _problems(report)
     available = [m for m in report["modes"] if m["available"]]
-    report["ok"] = report["gpu_error"] is None and bool(available) and all(m["works"] for m in available)
+    # A GPU left out of the self-tests for its compute mode cannot share its memory: not every mode works.
+    report["ok"] = (report["gpu_error"] is None and bool(available) and all(m["works"] for m in available)
+                    and all(g["compute_mode"] == "default" for g in report["gpus"]))
     return report
 
 
@@ -466,7 +479,7 @@ def render(report: dict[str, Any]) -> str:
     elif m:
         lines.append("peer access   one GPU: nothing to pair")
     s = report["segments"]
-    lines.append(f"segments      {s['dir']} ({'writable' if s['writable'] else 'NOT writable'})")
+    lines.append(f"segments      {s['dir'] or 'no directory'} ({'writable' if s['writable'] else 'NOT writable'})")
     p = report["ptrace"]
     scope = "no Yama (not restricted)" if p["ptrace_scope"] is None else str(p["ptrace_scope"])
     getfd = p["pidfd_getfd"] + (f" ({p['pidfd_getfd_error']})" if p["pidfd_getfd_error"] else "")

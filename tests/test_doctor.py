@@ -25,6 +25,7 @@ def check_schema(report: dict) -> None:
     for key, kind in HOST_KEYS.items():
         assert isinstance(report["host"][key], kind), key
     assert isinstance(report["segments"]["writable"], bool)
+    assert report["segments"]["dev_shm"] in ("writable", "read-only", "missing")
     assert report["start_method"]["default"] in report["start_method"]["available"]
     assert report["ptrace"]["pidfd_getfd"] in ("allowed", "refused", "unavailable")
     assert report["ptrace"]["ptrace_scope"] in (None, 0, 1, 2, 3)
@@ -72,7 +73,7 @@ def _report(**changes):
     report = {
         "cupy_ipc": "0", "host": {"platform": "linux", "machine": "x86_64", "kernel": "6", "python": "3.12",
                                   "bits": 64, "wsl": False},
-        "segments": {"dir": "/dev/shm", "writable": True, "shared_memory": True},
+        "segments": {"dir": "/dev/shm", "writable": True, "shared_memory": True, "dev_shm": "writable"},
         "open_files": {"soft": 65536, "hard": 65536},
         "start_method": {"default": "spawn", "available": ["spawn"]},
         "ptrace": {"ptrace_scope": 1, "pidfd_getfd": "refused", "pidfd_getfd_error": "EPERM"},
@@ -99,6 +100,11 @@ def _report(**changes):
     ({"host__wsl": True}, "WSL", "native Linux"),
     ({"host__platform": "win32"}, "platform win32", "Linux"),
     ({"segments__writable": False}, "not writable", "--ipc=host"),
+    ({"segments__writable": False, "segments__dir": None}, "no writable directory", "mount /dev/shm writable"),
+    ({"segments__shared_memory": False, "segments__dir": "/tmp", "segments__dev_shm": "read-only"},
+     "/dev/shm read-only", "mount /dev/shm writable"),
+    ({"segments__shared_memory": False, "segments__dir": "/tmp", "segments__dev_shm": "missing"},
+     "no /dev/shm", "--ipc=host"),
     ({"gpus__0__compute_mode": "exclusive-process"}, "compute mode exclusive-process", "nvidia-smi -i 0 -c DEFAULT"),
     ({"start_method__default": "fork", "start_method__available": ["fork", "spawn"]}, "'fork'", "spawn"),
     ({"open_files__soft": 1024, "open_files__hard": 524288}, "open-file limit 1024", "ulimit -n 524288"),
@@ -136,3 +142,17 @@ def test_doctor_on_a_gpu_reports_every_available_mode_working():
     assert all(us > 0 for us in legacy["round_trip_us"].values())
     text = _doctor()
     assert text.returncode == 0 and "verdict: every available mode works" in text.stdout
+
+
+def test_segments_without_any_writable_directory_are_reported_not_raised(monkeypatch):
+    # /dev/shm unusable and no writable temporary directory: tempfile raises, which must not end the doctor.
+    from cupy_ipc import _doctor, _segment
+
+    def nowhere() -> str:
+        raise FileNotFoundError("No usable temporary directory found")
+
+    monkeypatch.setattr(_segment, "_dir", nowhere)
+    segments = _doctor._segments()
+    assert segments["dir"] is None and segments["writable"] is False and segments["shared_memory"] is False
+    report = {**_report(), "segments": segments}
+    assert "no directory (NOT writable)" in render({**report, "problems": _problems(report)})
