@@ -218,7 +218,7 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
                 cache: dict[str, Any] = {}
                 for i in range(iters + 20):
                     if not resent:
-                        arr = fresh_buffer(method, nbytes)  # synchronized for the variant without ordering
+                        arr = fresh_buffer(method, nbytes)  # synchronized for a method without ordering
                     spent.clear()
                     t0 = time.perf_counter_ns()
                     if method == "torch":
