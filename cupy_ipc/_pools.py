@@ -35,7 +35,9 @@ _access: set[tuple[int, int]] = set()  # consumer: (pool handle, device) given r
 # consumer: pointers imported from each pool and not freed yet (or being imported), and each one's pool:
 # a pool with none, whose producer has exited, is let go (see release_exited).
 _live: dict[tuple[bytes, int], int] = {}
-_pointer_pool: dict[int, tuple[bytes, int]] = {}
+# consumer: each imported pointer's pool and how many mappings hold it: the driver returns one pointer for
+# every import of an allocation (for another GPU's mapping, say) and unmaps it for all at the first free.
+_pointer_pool: dict[int, list[Any]] = {}
 
 NOT_SHAREABLE = (
     "this memory comes from a stream-ordered pool (cudaMallocAsync) created without a shareable handle type "
@@ -223,18 +225,29 @@ def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tup
             _live_change(key, -1)
         raise
     with _lock:
-        _pointer_pool[int(ptr)] = key
+        hit = _pointer_pool.get(int(ptr))
+        if hit is None:
+            _pointer_pool[int(ptr)] = [key, 1]
+        else:
+            hit[1] += 1
     return int(ptr)
 
 
 def free_imported(ptr: int) -> None:
-    """Unmap an imported pool allocation (the producer may free it once every importer has)."""
+    """Unmap an imported pool allocation (the producer may free it once every importer has), once the last
+    mapping holding its pointer lets it go."""
+    with _lock:
+        hit = _pointer_pool.get(ptr)
+        if hit is not None and hit[1] > 1:  # another mapping still holds the pointer
+            hit[1] -= 1
+            _live_change(hit[0], -1)
+            return
     (err,) = _driver().cuMemFree(ptr)
     _cuda.check("freeing the imported pool allocation", err)
     with _lock:
-        key = _pointer_pool.pop(ptr, None)
-        if key is not None:
-            _live_change(key, -1)
+        hit = _pointer_pool.pop(ptr, None)
+        if hit is not None:
+            _live_change(hit[0], -1)
 
 
 def forget() -> None:

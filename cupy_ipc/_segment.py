@@ -113,10 +113,11 @@ class Segment:
                            f"(is {os.path.dirname(self.path)} full?)") from e
 
     def _remap(self) -> None:
-        if self.mm is not None:
-            self.mm.close()
+        # The new view first: if mapping fails (no memory, or too many maps), the old one stays usable.
         size = os.fstat(self.fd).st_size
-        self.mm = mmap.mmap(self.fd, size) if size else None
+        old, self.mm = self.mm, mmap.mmap(self.fd, size) if size else None
+        if old is not None:
+            old.close()
 
     def _reach(self, at: int) -> bool:
         """Whether the mapped view covers the record at ``at``, growing or remapping it if needed."""

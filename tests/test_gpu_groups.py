@@ -70,6 +70,20 @@ def test_our_memory_opened_on_a_peer_gpu_and_sent_on_leaves_plain_arrays_of_its_
             assert cupy_ipc.get_ipc_handle(plain).device.ordinal == 1
 
 
+def test_a_pool_array_opened_on_both_gpus_stays_readable_on_one_when_the_other_is_dropped(remote):
+    # Both mappings import one allocation of the pool, for which the driver returns one pointer, and unmaps
+    # it for both at the first free: the second must keep it.
+    import cupy
+
+    import cupy_ipc
+
+    pool = cupy_ipc.ShareableMemoryPool(device=0)
+    with cupy.cuda.Device(0), cupy.cuda.using_allocator(pool.malloc):
+        a = cupy.arange(1 << 16, dtype=cupy.float32)
+        r = remote().call("open_on_both_gpus_drop_one", cupy_ipc.get_ipc_handle(a).to_bytes())
+    assert r == {"both": 2, "values": (0.0, 12345.0, 65535.0), "mapped": 0}
+
+
 def test_waiting_on_another_gpus_event_orders_on_the_host(remote):
     # A stream of another GPU cannot wait on an opened IPC event (the process dies): wait() blocks the host instead.
     import cupy

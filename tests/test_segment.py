@@ -300,6 +300,29 @@ def test_records_beyond_the_first_mapping_are_shared():
         seg.close(unlink=True)
 
 
+def test_a_view_that_cannot_be_remapped_leaves_the_segment_usable(token, monkeypatch):
+    # Growing the file remaps it; a map that fails then (no memory, or the process's limit of maps) must not
+    # leave a closed view behind, or every later export and open of this producer would fail.
+    import types
+
+    seg = Segment.create(token)
+    try:
+        seg.write(0, 7, PINNED)
+
+        def no_map(*args):
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(_segment, "mmap", types.SimpleNamespace(mmap=no_map))
+        with pytest.raises(OSError):
+            seg.write(5000, 9, PINNED)  # past the first mapping: the file grows, the view is remapped
+        monkeypatch.undo()
+        assert seg.read(0) == (7, 0, PINNED)
+        seg.write(5000, 9, PINNED)
+        assert seg.read(5000) == (9, 0, PINNED)
+    finally:
+        seg.close(unlink=True)
+
+
 # --- the claim and free protocol -------------------------------------------------------------------
 @pytest.mark.parametrize("consumers_flag", [ONE_CONSUMER, 0], ids=["one consumer", "several consumers"])
 def test_a_held_claim_keeps_the_slot_and_a_free_slot_refuses_claims(token, consumers_flag):

@@ -582,6 +582,28 @@ def collect_a_cycle_holding_the_pools_lock(data: bytes) -> dict[str, Any]:
     return {"value": value, "stuck": collector.is_alive(), "mapped": _mapping.counts()["mapped"]}
 
 
+def open_on_both_gpus_drop_one(data: bytes) -> dict[str, Any]:
+    """Open one handle on GPU 0 and on GPU 1, drop the first array, read the second on its GPU."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, _mapping
+
+    h = IpcArrayHandle.from_bytes(data)
+    first, second = h._open(device=0), h._open(device=1)
+    both = _mapping.counts()["mapped"]
+    del first
+    gc.collect()
+    cupy.cuda.Device(0).synchronize()
+    with cupy.cuda.Device(1):
+        values = (float(second[0]), float(second[12345]), float(second[-1]))
+    del second
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _mapping.counts()["mapped"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"both": both, "values": values, "mapped": _mapping.counts()["mapped"]}
+
+
 def collect_pools() -> dict[str, int]:
     """``cupy_ipc.collect()`` after a garbage collection; the pools imported after it, and the descriptors."""
     import cupy_ipc
