@@ -327,8 +327,9 @@ def get_ipc_handle(
             integer or ``lease`` not a number.
         ValueError: ``consumers`` or ``lease`` is not positive.
         HandleError: Its dtype cannot be shared.
-        IpcError: Its memory cannot be shared (managed, host, pool or
-            virtual-memory allocations), or a CUDA call failed.
+        IpcError: Its memory cannot be shared (managed or host memory, or
+            pool or virtual-memory allocations made without a POSIX
+            file-descriptor handle type), or a CUDA call failed.
 
     Example:
         >>> import cupy, cupy_ipc                         # doctest: +SKIP

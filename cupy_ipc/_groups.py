@@ -125,6 +125,12 @@ class Gathered(Sequence[Any]):
     This rank's own array is at its own index, as passed. ``close()`` (or the
     end of a ``with`` block) drops the mappings of the other ranks' arrays;
     each rank's memory stays pinned until every peer that opened it is done.
+
+    Example:
+        >>> import numpy
+        >>> with Gathered(0, [numpy.zeros(2), None], []) as got:   # as all_gather returns it
+        ...     print(len(got), got[1])
+        2 None
     """
 
     def __init__(self, rank: int, arrays: list[Any], handles: list[IpcArrayHandle]) -> None:

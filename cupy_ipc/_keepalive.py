@@ -39,7 +39,13 @@ __all__ = ["PinInfo", "lookup", "pin", "pinned", "release", "reset", "sweep", "w
 
 
 class PinInfo(NamedTuple):
-    """One export the producer keeps alive, as :func:`cupy_ipc.pinned` reports it."""
+    """One export the producer keeps alive, as :func:`cupy_ipc.pinned` reports it.
+
+    Example:
+        >>> import cupy_ipc
+        >>> sum(p.nbytes for p in cupy_ipc.pinned())      # bytes kept alive for consumers
+        0
+    """
 
     export_id: int
     nbytes: int

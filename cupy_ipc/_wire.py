@@ -109,6 +109,10 @@ class DeviceId(NamedTuple):
 
     The consumer finds its own ordinal for the GPU by UUID, so processes with
     different ``CUDA_VISIBLE_DEVICES`` agree.
+
+    Example:
+        >>> DeviceId(0, bytes(16)).ordinal
+        0
     """
 
     ordinal: int
