@@ -188,7 +188,8 @@ def _template(arr: Any) -> ArrayFields:
     """The handle fields of a non-empty array with no export part."""
     dtype = dtype_of(arr.dtype)
     owner = getattr(arr.data.mem, "_owner", None)
-    if isinstance(owner, _mapping.Lease):
+    opened_here = isinstance(owner, _mapping.Lease)
+    if opened_here:
         # An array opened here may be mapped on another GPU than its memory's: the handle names the memory's.
         device, lease = owner.memory_device, _received_lease(owner)
     else:
@@ -212,7 +213,7 @@ def _template(arr: Any) -> ArrayFields:
         memory_handle = _memory_handle(base, buffer_id)
         # A layout remembered for the fast path of plain arrays, whose GPU is the memory's: not our own
         # memory opened here, perhaps on a peer GPU (its handle names the memory's).
-        plain = not isinstance(owner, _mapping.Lease)
+        plain = not opened_here
     else:
         info = _cuda.pointer_info(arr.data.ptr)
         if info.memory_type != "device":

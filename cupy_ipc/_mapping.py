@@ -485,13 +485,12 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
     thread if ``defer`` (a garbage collection runs) or that work is still queued. The stream is looked at
     here, on the thread that dropped the array, whose default stream it may be."""
     try:
-        runtime = _cuda.rt()
         ptr = stream.ptr
-        if ptr in _DEFAULT_STREAMS and runtime.getDevice() != device:
+        if ptr in _DEFAULT_STREAMS and _cuda.rt().getDevice() != device:
             with _cuda.using_device(device):
-                idle = runtime.streamQuery(ptr) == 0
+                idle = _cuda.stream_idle(ptr)
         else:
-            idle = runtime.streamQuery(ptr) == 0
+            idle = _cuda.stream_idle(ptr)
         done = None
         if not idle:
             import cupy

@@ -304,10 +304,7 @@ class _DriverPools:
         if getattr(self, "pid", None) != _getpid() or self.finalizing():
             return  # shutting down, or a forked child's copy: the driver's state is not ours to change
         pools, self.pools = list(self.pools.items()), {}
-        if _reaper.collecting():  # in a cycle of the user's making (see _reaper)
-            _reaper.later(_destroy, pools)
-        else:
-            _destroy(pools)
+        _reaper.now_or_later(_destroy, pools)  # (in a cycle of the user's making, the collector frees it)
 
 
 def _destroy(pools: list[tuple[int, Any]]) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from . import _cuda
 from ._errors import warn_quietly
 
-__all__ = ["collecting", "later", "start"]
+__all__ = ["collecting", "later", "now_or_later", "start"]
 
 # Made before anything that may hand work here exists: putting on a SimpleQueue is safe in a finalizer, where
 # taking a lock (to make one, or to start the thread) is not.
@@ -68,6 +68,14 @@ def later(then: Callable[..., Any], *args: Any, after: Any = None, device: int =
     """Have the thread call ``then(*args)``, once the CUDA event ``after`` (of GPU ``device``), if any, has
     completed. Safe in a finalizer."""
     _queue.put((after, device, then, args))
+
+
+def now_or_later(then: Callable[..., Any], *args: Any) -> None:
+    """A finalizer's work: ``then(*args)`` now, or on the thread if a garbage collection is running."""
+    if _collecting:
+        later(then, *args)
+    else:
+        then(*args)
 
 
 def _run(q: "queue.SimpleQueue[Any]") -> None:

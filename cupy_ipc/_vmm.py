@@ -371,10 +371,7 @@ class _Owner:
         # and the driver frees everything with the process then anyway.
         if _finalizing():
             return
-        if _reaper.collecting():  # (see _reaper)
-            _reaper.later(_free_allocated, self.ptr, self.sizes, self.device)
-        else:
-            _free_allocated(self.ptr, self.sizes, self.device)
+        _reaper.now_or_later(_free_allocated, self.ptr, self.sizes, self.device)
 
 
 def _free_allocated(ptr: int, sizes: list[int], device: int) -> None:

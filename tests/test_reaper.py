@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 
 import pytest
+from test_keepalive import _eventually
 
 from cupy_ipc import _mapping, _pools, _reaper, _vmm
-
-
-def _eventually(condition, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while not condition() and time.monotonic() < end:
-        time.sleep(0.01)
-    return bool(condition())
 
 
 def _lease() -> _mapping.Lease:

@@ -561,7 +561,7 @@ def collect_a_cycle_holding_the_pools_lock(data: bytes) -> dict[str, Any]:
     (as an allocation in the library's code would); whether that thread got stuck, and what is mapped after."""
     import threading
 
-    from cupy_ipc import IpcArrayHandle, _mapping, _pools
+    from cupy_ipc import IpcArrayHandle, _pools
 
     arr = IpcArrayHandle.from_bytes(data)._open()
     value = float(arr[0])
@@ -576,10 +576,7 @@ def collect_a_cycle_holding_the_pools_lock(data: bytes) -> dict[str, Any]:
     collector = threading.Thread(target=collect, daemon=True)
     collector.start()
     collector.join(20)
-    deadline = time.monotonic() + 10
-    while _mapping.counts()["mapped"] and time.monotonic() < deadline:  # let go on the library's thread
-        time.sleep(0.01)
-    return {"value": value, "stuck": collector.is_alive(), "mapped": _mapping.counts()["mapped"]}
+    return {"value": value, "stuck": collector.is_alive(), "mapped": _mapped_once_released()}
 
 
 def open_on_both_gpus_drop_one(data: bytes) -> dict[str, Any]:
@@ -598,10 +595,17 @@ def open_on_both_gpus_drop_one(data: bytes) -> dict[str, Any]:
         values = (float(second[0]), float(second[12345]), float(second[-1]))
     del second
     gc.collect()
-    deadline = time.monotonic() + 10
+    return {"both": both, "values": values, "mapped": _mapped_once_released()}
+
+
+def _mapped_once_released(timeout: float = 10.0) -> int:
+    """The mappings left once the releases handed to the library's thread have run (within ``timeout``)."""
+    from cupy_ipc import _mapping
+
+    deadline = time.monotonic() + timeout
     while _mapping.counts()["mapped"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    return {"both": both, "values": values, "mapped": _mapping.counts()["mapped"]}
+    return _mapping.counts()["mapped"]
 
 
 def collect_pools() -> dict[str, int]:
