@@ -9,7 +9,7 @@ import weakref
 from typing import Any
 
 from . import _cuda, _fork, _segment
-from ._errors import ClosedError, HandleError, warn_quietly
+from ._errors import ClosedError, HandleError, IpcError, warn_quietly
 from ._identity import Producer, this_process
 from ._wire import DeviceId, EventFields, pack_event, unpack_event
 
@@ -21,6 +21,10 @@ _own: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictiona
 
 
 def _destroy(ptr: int, device: int) -> None:
+    try:
+        _fork.check()
+    except IpcError:  # the parent's event, inherited by a fork: the parent owns it, and the child may not use CUDA
+        return
     runtime = _cuda.rt()
     try:
         with _cuda.using_device(device):
@@ -51,8 +55,8 @@ class IpcEvent:
     __slots__ = ("_ptr", "_device", "_block", "_handle", "_opened", "_finalizer", "__weakref__")
 
     def __init__(self, *, block: bool = False) -> None:
-        runtime = _cuda.rt()
         _fork.check()
+        runtime = _cuda.rt()
         flags = runtime.eventInterprocess | runtime.eventDisableTiming
         if block:
             flags |= runtime.eventBlockingSync
@@ -78,6 +82,7 @@ class IpcEvent:
     @property
     def ptr(self) -> int:
         """The raw ``cudaEvent_t``, for ``cupy.cuda.Stream.wait_event``."""
+        _fork.check()  # the parent's event: no use in a child forked from it
         if not self._finalizer.alive:
             raise ClosedError("this IpcEvent is closed")
         return self._ptr
@@ -102,6 +107,7 @@ class IpcEvent:
 
     def record(self, stream: Any = None) -> None:
         """Record the event on ``stream`` (default: the current stream)."""
+        _fork.check()
         runtime = _cuda.rt()
         _cuda.call("recording an event", runtime.eventRecord, self.ptr, _cuda.stream_ptr(stream))
 
@@ -112,11 +118,13 @@ class IpcEvent:
         its own GPU only (measured: a stream of another GPU waiting on it ends
         the process). For such a stream this waits on the host instead.
         """
+        _fork.check()  # before asking CUDA for the stream's device
         ptr = _cuda.stream_ptr(stream)
         self.wait_from(ptr, _cuda.stream_device(ptr))
 
     def wait_from(self, stream_ptr: int, stream_device: int) -> None:
         """:meth:`wait` for a raw stream of a known GPU (``0``: that GPU's default stream)."""
+        _fork.check()
         runtime = _cuda.rt()
         ptr = self.ptr
         if self._opened and stream_device != self._device:
@@ -127,16 +135,19 @@ class IpcEvent:
 
     def synchronize(self) -> None:
         """Block the host until the work captured by the last record has finished."""
+        _fork.check()
         runtime = _cuda.rt()
         _cuda.call("synchronizing an event", runtime.eventSynchronize, self.ptr)
 
     def query(self) -> bool:
         """True when the work captured by the last record has finished."""
+        _fork.check()
         runtime = _cuda.rt()
         return _cuda.call("querying an event", runtime.eventQuery, self.ptr) == 0
 
     def get_ipc_handle(self) -> "IpcEventHandle":
         """The handle another process opens this event with."""
+        _fork.check()  # also when the handle was made before the fork, so that the answer is the same either way
         ptr = self.ptr
         if self._handle is None:
             self._handle = export_event(ptr, self._device, self._block)
@@ -144,7 +155,10 @@ class IpcEvent:
         return self._handle
 
     def close(self) -> None:
-        """Destroy the event. Idempotent."""
+        """Destroy the event. Idempotent.
+
+        In a child forked from the process that has it, only marks it closed: the event is the parent's.
+        """
         self._finalizer()
 
     def __enter__(self) -> "IpcEvent":

@@ -9,8 +9,9 @@ a 2-byte format version. The README documents each field.
 
 from __future__ import annotations
 
+import math
+import re
 import struct
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -43,6 +44,10 @@ ARRAY_MAGIC = b"CIPA"
 EVENT_MAGIC = b"CIPE"
 MAX_NDIM = 64
 HANDLE_BYTES = 64
+# The most bytes an array may hold or reach: NumPy and CuPy count sizes, strides and offsets in a signed
+# 64-bit integer (ssize_t). Past it CuPy wraps around (2**64 elements make an array of size 0) or raises
+# OverflowError at open.
+MAX_BYTES = 2**63 - 1
 
 FLAG_KEEPALIVE = 1  # the producer pins the memory; export_id/slot are valid
 FLAG_EVENT = 2  # event_handle holds the producer's ordering event
@@ -147,6 +152,14 @@ class EventFields(NamedTuple):
     producer: Producer
 
 
+# Dtype text that NumPy warns about while parsing it: its deprecated alias "a" (bytes) as a type code, and a
+# parenthesized single number as a repeat count. Neither ever names a shareable dtype, so such text is
+# refused before NumPy sees it: silencing the warning would take changing the warnings filters, which are
+# process-wide, so another thread's warnings would be lost or turned into errors meanwhile. (A spec that is
+# no text, a structured one say, is the caller's own, and so is NumPy's warning about it.)
+_WARNING_TEXT = re.compile(r"(?<![A-Za-z_])a(?![A-Za-z_])|\([0-9 ]*[0-9][0-9 ]*\)")
+
+
 def dtype_of(value: object) -> np.dtype:
     """The dtype a handle may carry, or :class:`HandleError`."""
     hit = _BY_IDENTITY.get(id(value))
@@ -155,10 +168,11 @@ def dtype_of(value: object) -> np.dtype:
     key = value.str if isinstance(value, np.dtype) else value
     if isinstance(key, str) and key in _DTYPES:
         return _DTYPES[key]
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    if isinstance(text, str) and _WARNING_TEXT.search(text):
+        raise HandleError(f"not a dtype that can be shared: {value!r}")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # numpy deprecates some aliases: refuse them too
-            dt = np.dtype(value)  # type: ignore[call-overload]
+        dt = np.dtype(value)  # type: ignore[call-overload]
     except Exception as e:  # NumPy parses text as dtype syntax: "," raises SyntaxError
         raise HandleError(f"not a dtype: {value!r}") from e
     if dt.str not in _DTYPES:
@@ -271,6 +285,13 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
         return None
     if 0 in shape:
         raise HandleError(f"shape {shape} has no elements, so the handle kind must be empty")
+    itemsize = f.dtype.itemsize
+    count = math.prod(shape)
+    if count * itemsize > MAX_BYTES:  # strides of 0 (a broadcast) reach few bytes, but every element counts
+        raise HandleError(
+            f"shape {shape} has {count} elements of {itemsize} bytes, {count * itemsize} in all: more than the "
+            f"{MAX_BYTES} (2**63 - 1) bytes an array can hold"
+        )
     if f.kind in Kind.BY_DESCRIPTOR and (f.fd < 0 or f.resource == 0):
         raise HandleError(f"a {Kind.names[f.kind]} handle needs the producer's descriptor and resource id")
     if f.more:
@@ -290,11 +311,16 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
             f"offset {offset} or strides {strides} are not aligned to the "
             f"{align}-byte alignment of {f.dtype}"
         )
-    hi += f.dtype.itemsize
+    hi += itemsize
     if offset + lo < 0 or offset + hi > f.allocation_size:
         raise HandleError(
             f"shape {shape} with strides {strides} at offset {offset} reaches bytes "
             f"[{offset + lo}, {offset + hi}), outside the {f.allocation_size}-byte allocation"
+        )
+    if offset + hi > MAX_BYTES:  # below it, the offset and each element's position fit a signed 64-bit integer
+        raise HandleError(
+            f"shape {shape} with strides {strides} at offset {offset} reaches bytes "
+            f"[{offset + lo}, {offset + hi}), beyond the first {MAX_BYTES} (2**63 - 1) an array can address"
         )
     return lo, hi, align
 
@@ -409,7 +435,8 @@ def unpack_array(data: object) -> ArrayFields:
     fields = ArrayFields(f.kind, flags, f.dtype, mem, offset, size, base, buffer_id, f.device, f.producer,
                          *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT), f.shape, f.strides, f.fd, f.resource, f.more)
     # What validate_layout checks of another allocation (its pieces' sizes too, for virtual memory).
-    if reach is not None and (offset % reach[2] or offset + reach[0] < 0 or offset + reach[1] > size or f.more):
+    if reach is not None and (offset % reach[2] or offset + reach[0] < 0 or offset + reach[1] > size
+                              or size > MAX_BYTES or f.more):
         validate_layout(fields)
     return fields
 

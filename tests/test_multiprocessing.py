@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import copyreg
+import gc
 import multiprocessing
+import pickle
 import subprocess
 import sys
 
@@ -178,3 +180,58 @@ def test_a_refusal_on_a_queues_feeder_thread_releases_what_its_message_exported(
     finally:
         q.close()
         q.join_thread()
+
+
+class _NoCuda:
+    """Stands for the CUDA helpers in a forked child: any use fails the test."""
+
+    def __getattr__(self, name: str):
+        pytest.fail(f"a forked child called CUDA (_cuda.{name})")
+
+
+@pytest.fixture
+def inherited_event(monkeypatch):
+    """An IpcEvent as a child forked from a CUDA process sees it (no GPU needed: CUDA is never reached)."""
+    from cupy_ipc import _events, _fork
+
+    ev = cupy_ipc.IpcEvent.__new__(cupy_ipc.IpcEvent)
+    ev._adopt(0x1234, 0, False, None, opened=False)
+    monkeypatch.setattr(_fork, "_forked_after_cuda", True)
+    monkeypatch.setattr(_events, "_cuda", _NoCuda())
+    yield ev
+    ev._finalizer.detach()  # should a test leave it open: the parent's (fake) event is not to be destroyed
+
+
+@pytest.mark.parametrize("use", [
+    lambda ev: ev.ptr,
+    lambda ev: ev.record(),
+    lambda ev: ev.wait(),
+    lambda ev: ev.wait_from(0, 0),
+    lambda ev: ev.synchronize(),
+    lambda ev: ev.query(),
+    lambda ev: ev.get_ipc_handle(),
+    lambda ev: pickle.dumps(ev),
+], ids=["ptr", "record", "wait", "wait_from", "synchronize", "query", "get_ipc_handle", "pickle"])
+def test_an_event_inherited_by_a_forked_child_raises_the_fork_error(inherited_event, use):
+    with pytest.raises(cupy_ipc.IpcError, match="forked after its parent initialized CUDA.*'spawn'"):
+        use(inherited_event)
+    assert not inherited_event.closed
+
+
+def test_an_event_inherited_by_a_forked_child_gives_no_handle_even_one_made_before_the_fork(inherited_event):
+    inherited_event._handle = object()  # exported in the parent: still refused, as when it was not
+    with pytest.raises(cupy_ipc.IpcError, match="forked after its parent initialized CUDA"):
+        inherited_event.get_ipc_handle()
+
+
+def test_an_event_inherited_by_a_forked_child_closes_and_is_collected_without_cuda(inherited_event):
+    # Destroying it would be a CUDA call, and the event is the parent's.
+    inherited_event.close()
+    assert inherited_event.closed
+    inherited_event.close()
+    ev = cupy_ipc.IpcEvent.__new__(cupy_ipc.IpcEvent)
+    ev._adopt(0x5678, 0, False, None, opened=True)
+    finalizer = ev._finalizer
+    del ev
+    gc.collect()
+    assert not finalizer.alive

@@ -7,6 +7,7 @@ import itertools
 import re
 import string
 import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -269,6 +270,34 @@ def test_deprecated_dtype_alias_on_the_wire_raises_only_handle_error(text):
     rejected("not a dtype|cannot be shared", IpcArrayHandle.from_bytes, patched(VALID, ARRAY_FIELDS, dtype=text))
 
 
+def test_dtype_of_leaves_the_warnings_filters_alone():
+    # They are process-wide: changed while NumPy parses, another thread's warnings would be silenced or
+    # turned into errors meanwhile. NumPy reads a spec's dtype attribute while it parses: the spec sees them then.
+    from cupy_ipc._wire import dtype_of
+
+    seen = []
+
+    class Spec:
+        @property
+        def dtype(self):
+            seen.append((warnings.filters, list(warnings.filters)))
+            return np.dtype("float32")
+
+    filters, before = warnings.filters, list(warnings.filters)
+    assert dtype_of(Spec()) == np.float32
+    assert seen and all(now is filters and content == before for now, content in seen)
+    assert warnings.filters is filters and warnings.filters == before
+
+
+@pytest.mark.parametrize("text", ["a", "a4", "<a4", "|a8", "2a4", "a4,f4", "f4,(2)i4", "<(2)f4,", b"a4"])
+def test_dtype_text_numpy_would_warn_about_is_refused_without_a_warning(text):
+    # numpy's deprecated alias "a" and its parenthesized single repeat count: never a shareable dtype.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rejected("not a dtype", make, dtype=text)
+    assert [str(w.message) for w in caught] == []
+
+
 # --- shape, alignment, extent -------------------------------------------------------------------------------
 def test_negative_shape_from_bytes():
     rejected("negative extent", IpcArrayHandle.from_bytes, with_dims(VALID, (4, -2), (8, 4)))
@@ -382,6 +411,55 @@ def test_negative_offset_or_size_in_constructor(offset, allocation_size):
     rejected("must not be negative", make, offset=offset, allocation_size=allocation_size)
 
 
+TOO_MANY = "more than the 9223372036854775807 \\(2\\*\\*63 - 1\\) bytes an array can hold"
+
+
+@pytest.mark.parametrize("shape, strides, dtype", [
+    ((2**62, 2), (0, 0), "int8"),  # 2**63 one-byte elements, all at one byte
+    ((2**61,), (0,), "float64"),  # 2**61 elements, 2**64 bytes
+    ((2**32, 2**32, 2**32), (0, 0, 0), "int8"),  # each extent small, their product not
+    ((2**42, 2**20), (0, 4), "float32"),  # a broadcast row
+    ((2**33, 2**33), (4, 4), "float32"),  # overlapping strides
+    ((3, 3074457345618258603), (0, 0), "int8"),  # 2**63 + 1 bytes: one over
+])
+def test_more_elements_than_an_array_can_hold(shape, strides, dtype):
+    # NumPy and CuPy count elements and bytes in a signed 64-bit integer: such a shape would overflow it,
+    # though the bytes its strides reach fit the allocation.
+    rejected(TOO_MANY, make, shape, strides, dtype, 0, 2**36)
+    data = with_dims(patched(VALID, ARRAY_FIELDS, dtype=np.dtype(dtype).str.encode(), allocation_size=2**36),
+                     shape, strides)
+    rejected(TOO_MANY, IpcArrayHandle.from_bytes, data)
+
+
+def test_element_count_boundary_is_exact():
+    h = make((2**63 - 1,), (0,), "int8", 0, 1)  # 2**63 - 1 bytes in all: the most there may be
+    assert IpcArrayHandle.from_bytes(h.to_bytes()) == h
+    assert make((3, 3074457345618258602), (0, 0), "int8", 0, 1)  # 2**63 - 2 bytes
+    rejected(TOO_MANY, make, (2**62,), (0,), "int16", 0, 2)  # 2**63 bytes
+
+
+BEYOND = "beyond the first 9223372036854775807 \\(2\\*\\*63 - 1\\) an array can address"
+
+
+@pytest.mark.parametrize("shape, strides, offset", [
+    ((2,), (2**63 - 1,), 0),  # the second element is byte 2**63 of the allocation
+    ((1,), (1,), 2**63 - 1),  # one past the element is byte 2**63
+    ((2,), (-(2**62),), 2**63 - 1),  # reaching backwards from there
+])
+def test_reach_beyond_what_an_array_can_address(shape, strides, offset):
+    # Inside the claimed allocation, but past what CuPy's signed 64-bit offsets and strides can reach.
+    rejected(BEYOND, make, shape, strides, "int8", offset, 2**64 - 1)
+    data = with_dims(patched(VALID, ARRAY_FIELDS, dtype=b"|i1", offset=offset, allocation_size=2**64 - 1),
+                     shape, strides)
+    rejected(BEYOND, IpcArrayHandle.from_bytes, data)
+
+
+def test_reach_boundary_is_exact():
+    assert make((2,), (2**63 - 2,), "int8", 0, 2**64 - 1)
+    assert make((1,), (1,), "int8", 2**63 - 2, 2**64 - 1)
+    rejected(BEYOND, make, (1,), (1,), "int8", 2**63 - 1, 2**64 - 1)
+
+
 # --- kinds --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(0,), (4, 0), (0, 0)])
 def test_size_zero_shape_with_legacy_kind(shape):
@@ -464,6 +542,7 @@ def parsed_known(data, known):
     {"allocation_size": 31},  # one byte short
     {"offset": 4},  # shifted past the end
     {"offset": 2**64 - 4, "allocation_size": 2**64 - 1},  # no wraparound
+    {"offset": 2**63, "allocation_size": 2**64 - 1},  # inside the allocation, beyond what an array can address
     {"offset": 32, "allocation_size": 64, "base_ptr": 7, "buffer_id": 9, "flags": 3, "export_id": 5, "slot": 2},
 ])
 def test_a_known_layout_checks_each_allocation_as_a_first_handle(values):

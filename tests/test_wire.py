@@ -81,7 +81,8 @@ LAYOUTS = {
     "63-d": dict(shape=(1,) * 60 + (2, 1, 3)),
     "64-d": dict(shape=(1,) * 58 + (2, 1, 3, 1, 2, 1)),
     "64-d F": dict(shape=(2, 1, 3) + (1,) * 61, strides=f_strides((2, 1, 3) + (1,) * 61, 4)),
-    "64-d of twos broadcast": dict(shape=(2,) * 64, strides=(0,) * 64, allocation_size=4),
+    # 2**62 bytes in all, of the at most 2**63 - 1 an array may hold
+    "64-d broadcast": dict(shape=(2,) * 60 + (1,) * 4, strides=(0,) * 64, allocation_size=4),
 }
 
 
@@ -159,12 +160,13 @@ def test_round_trip_empty(shape):
 
 
 def test_round_trip_large_field_values():
-    """Values at the top of each wire field survive: u64 offsets and sizes, i32 device and pid."""
+    """Values at the top of each wire field survive: u64 sizes, i32 device and pid; and offsets at the top of the
+    2**63 - 1 bytes an array can address."""
     big = 2**64 - 1
-    h = make((2,), (8,), dtype=np.float64, offset=2**64 - 24, allocation_size=big,
+    h = make((2,), (8,), dtype=np.float64, offset=2**63 - 24, allocation_size=big,
              device=(2**31 - 1, UUID), producer=(2**31 - 1, TOKEN, BOOT_ID, "h" * 32))
     h2 = assert_round_trip(h)
-    assert h2.offset == 2**64 - 24
+    assert h2.offset == 2**63 - 24
     assert h2.producer.host == "h" * 32
 
 
@@ -227,10 +229,13 @@ def test_zero_d_properties():
     assert (h.ndim, h.size, h.nbytes, h.strides) == (0, 1, 16, ())
 
 
-def test_size_is_exact_beyond_int64():
-    h = make((2,) * 64, (0,) * 64, dtype=np.float64, allocation_size=8)
-    assert h.size == 2**64
-    assert h.nbytes == 2**67
+def test_size_is_exact_up_to_the_limit():
+    # 2**63 - 1 bytes in all is the most a handle may describe (more is refused: see test_validation).
+    h = make((2**63 - 1,), (0,), dtype=np.int8, allocation_size=1)
+    assert h.size == h.nbytes == 2**63 - 1
+    h = make((2,) * 59, (0,) * 59, dtype=np.float64, allocation_size=8)
+    assert h.size == 2**59
+    assert h.nbytes == 2**62
     assert isinstance(h.size, int)
 
 
