@@ -315,7 +315,7 @@ def get_ipc_handle(
             before sending.
         consumers: How many processes will open this handle. (A process
             that opens it again after its arrays from it were freed counts
-            again.)
+            again; an open that fails does not count.)
         lease: Seconds after which the export is revoked (new opens are
             refused) if not all consumers opened it; ``None`` keeps it until
             :meth:`IpcArrayHandle.release`.
@@ -501,14 +501,20 @@ def _open_common(f: ArrayFields) -> Any:
             (device, Kind.LEGACY, f.memory_handle, producer.token, f.buffer_id), device, f.memory_handle,
             f.allocation_size, None, None, seg, producer.token, producer.pid, f.export_id, f.slot, stream, device,
             device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size))
-        if f.flags & FLAG_EVENT:
-            ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it meanwhile
-            if runtime.eventQuery(ev._ptr) != 0:  # a finished event needs no wait, and the GPU-side wait is slow
-                runtime.streamWaitEvent(stream.ptr, ev._ptr, 0)
+        try:
+            if f.flags & FLAG_EVENT:
+                ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it
+                if runtime.eventQuery(ev._ptr) != 0:  # a finished event needs no wait, and the GPU-side wait is slow
+                    runtime.streamWaitEvent(stream.ptr, ev._ptr, 0)
+            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)
+            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+            _mapping.opened(lease)
+        except BaseException:
+            _mapping.abandon(lease)  # now, not when the traceback (which holds the lease) goes
+            raise
     except _cuda._runtime_error() as e:
         raise _cuda._translated("opening the array", e) from e
-    mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)
-    return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+    return arr
 
 
 class IpcArrayHandle:
@@ -698,6 +704,9 @@ class IpcArrayHandle:
         memory without any CUDA IPC call, and so it does in a process that
         receives, from a third one, an array it exported itself.
 
+        An open that fails leaves the export as it found it (not counted as
+        one of its consumers, nothing held): it may be retried.
+
         Args:
             stream: Where the consumer orders its work on the array.
             device: The GPU (an ordinal of this process) to open the array
@@ -768,22 +777,32 @@ class IpcArrayHandle:
             with _cuda.using_device(target):
                 return self._mapped(target, home, stream_obj, target)
         # Map on the memory's GPU, copy to the target on the consumer's
-        # stream, and let the mapping go once that copy is done.
+        # stream, and let the mapping go once that copy is done. The open
+        # counts only once the copy is queued: one that fails there (no
+        # memory on the target, say) may be retried.
         with _cuda.using_device(home):
-            src = self._mapped(home, home, stream_obj, target)
+            src = self._mapped(home, home, stream_obj, target, count=False)
+        lease = src.data.mem._owner
         lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
         runtime = _cuda.rt()
         with _cuda.using_device(target):
-            dst = cupy.cuda.alloc(hi - lo)
-            _cuda.call("copying the array between GPUs", runtime.memcpyPeerAsync, dst.ptr, target,
-                       src.data.ptr + lo, home, hi - lo, stream_obj.ptr)
+            try:
+                dst = cupy.cuda.alloc(hi - lo)
+                _cuda.call("copying the array between GPUs", runtime.memcpyPeerAsync, dst.ptr, target,
+                           src.data.ptr + lo, home, hi - lo, stream_obj.ptr)
+            except BaseException:
+                _mapping.abandon(lease)  # nothing was queued on the mapping
+                raise
+            _mapping.opened(lease)
             arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(dst.mem, -lo), f.strides)
-        del src
+        del src, lease
         _opened_unmapped.set(arr, OpenInfo(target, home, copied=True))
         return arr
 
-    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int) -> Any:
-        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it), which is current."""
+    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int, count: bool = True) -> Any:
+        """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it), which is current.
+        Unless ``count``, the open is not counted yet: the caller passes the array's lease to
+        :func:`_mapping.opened` once its open has succeeded, or to :func:`_mapping.abandon`."""
         import cupy
 
         f = self._f
@@ -828,15 +847,22 @@ class IpcArrayHandle:
             producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,
             f.kind == Kind.POOL, origin,
         )
-        if f.flags & FLAG_EVENT:
-            if from_us:
-                _keepalive.wait_own_event(f.export_id, stream_obj)
-            else:
-                ev = open_cached(f.event_handle, home, producer)
-                if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                    ev.wait_from(stream_obj.ptr, stream_device)
-        mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
-        return cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+        try:
+            if f.flags & FLAG_EVENT:
+                if from_us:
+                    _keepalive.wait_own_event(f.export_id, stream_obj)
+                else:
+                    ev = open_cached(f.event_handle, home, producer)
+                    if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
+                        ev.wait_from(stream_obj.ptr, stream_device)
+            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
+            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+            if count:
+                _mapping.opened(lease)
+        except BaseException:
+            _mapping.abandon(lease)  # now, not when the traceback (which holds the lease) goes
+            raise
+        return arr
 
     def close(self) -> None:
         """Drop the arrays this handle opened. Idempotent.

@@ -22,6 +22,11 @@ the lease is released:
    piece (to be sent on), so idle ones are also evicted, oldest first, once
    they hold more than a quarter of the process's open-file limit.
 
+An open counts as one of the export's opens, in the producer's segment, only
+once it has succeeded (:func:`opened`); one that fails after the claim lets
+its mapping and claim go at once (:func:`abandon`), so that the producer still
+awaits a consumer and the open may be retried.
+
 An idle mapping of ``cudaMalloc`` memory holds no claim, so its producer may
 free the allocation and give its addresses to a new one. Seen on an H200, the
 new allocation's handle then differs from the old one's in its size bytes (the
@@ -46,7 +51,7 @@ from . import _cuda, _pools, _reaper, _segment
 from ._args import checked_count
 from ._errors import HandleError, IpcError, warn_quietly
 
-__all__ = ["Lease", "acquire", "collect_idle", "set_idle_mapping_limit", "counts"]
+__all__ = ["Lease", "abandon", "acquire", "collect_idle", "opened", "set_idle_mapping_limit", "counts"]
 
 
 # How memory other than a legacy handle's is mapped: (map() -> pointer, unmap(pointer), descriptors kept open).
@@ -91,13 +96,15 @@ class _Mapping:
 
 
 class _Claim:
-    __slots__ = ("seg", "lock", "export_id", "count")
+    __slots__ = ("seg", "slot", "lock", "export_id", "count", "counted")
 
     def __init__(self, seg: _segment.Segment, slot: int, export_id: int) -> None:
         self.seg = seg
+        self.slot = slot
         self.lock = _segment.in_use(slot)  # the slot's in-use lock, held while count > 0
         self.export_id = export_id
         self.count = 0
+        self.counted = False  # whether an open under this claim succeeded, and was counted in the segment
 
 
 _lock = threading.RLock()
@@ -201,11 +208,12 @@ def counts() -> dict[str, int]:
 
 # --- claims on a producer's slot --------------------------------------------
 def _claim(seg: _segment.Segment, token: bytes, pid: int, export_id: int, slot: int) -> tuple[bytes, int]:
-    """Hold an export's in-use lock (once per process) and count our open; the caller holds ``_lock``."""
+    """Hold an export's in-use lock (once per process) for an open; the caller holds ``_lock``. The open is
+    counted in the producer's segment only by :func:`opened`."""
     key = (token, slot)
     c = _claims.get(key)
     if c is None:
-        if seg.claim(slot, export_id):
+        if seg.hold(slot, export_id):
             c = _claims[key] = _Claim(seg, slot, export_id)
     elif c.export_id != export_id:
         # We hold the slot for another export, so the producer cannot have reused it since: this one ended
@@ -221,6 +229,7 @@ def _claim(seg: _segment.Segment, token: bytes, pid: int, export_id: int, slot: 
 
 
 def _unclaim(key: tuple[bytes, int] | None) -> None:
+    # The last user of a claim that no open counted (they all failed) leaves the export as it found it.
     if key is None:
         return
     c = _claims.get(key)
@@ -387,9 +396,10 @@ def _forged(claimed: int, mapped: int) -> str:
         "forged or corrupt"
 
 
-def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | None) -> bool:
+def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | None, released: bool = True) -> bool:
     """Mapping ``m`` has lost its last user: keep it idle or unmap it; True when the idle mapping took over
-    ``claim_key`` (the caller must not release it)."""
+    ``claim_key`` (the caller must not release it). Unless ``released``, that user's open failed: it does
+    not count as a release of the allocation here."""
     del _active[key]
     if not m.imported:  # the producer's own memory: nothing to unmap or keep
         return False
@@ -398,7 +408,7 @@ def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | No
     # later by the eviction of an older mapping (whose producer may have freed
     # it, which makes that unmap the one that frees the memory).
     held = m.hold_claim and claim_key is not None
-    if _idle_limit and (held or not m.hold_claim) and _released_before(key):
+    if _idle_limit and (held or not m.hold_claim) and _released_before(key, released):
         m.held = claim_key if held else None
         _park(key, m)
         if len(_idle) > _idle_limit or _idle_fds:
@@ -410,13 +420,14 @@ def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | No
     return False
 
 
-def _released_before(key: tuple[Any, ...]) -> bool:
+def _released_before(key: tuple[Any, ...], remember: bool = True) -> bool:
     if key in _released:
         _released.move_to_end(key)
         return True
-    _released[key] = None
-    if len(_released) > _RELEASED_MAX:
-        _released.popitem(last=False)
+    if remember:
+        _released[key] = None
+        if len(_released) > _RELEASED_MAX:
+            _released.popitem(last=False)
     return False
 
 
@@ -459,18 +470,18 @@ class Lease:
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
-        if _exiting or _release is None:
+        if _exiting or _release is None or self.mapping_key is None:  # (None: abandoned, already let go)
             return
         _release(self.mapping_key, self.claim_key, self.stream, self.device, _reaper.collecting())
 
 
-def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None) -> None:
-    """One user of a mapping, and its claim, fewer."""
+def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:
+    """One user of a mapping, and its claim, fewer (``released``: see :func:`_retire`)."""
     with _lock:
         m = _active.get(mapping_key)
         if m is not None:
             m.users -= 1
-            if not m.users and _retire(mapping_key, m, claim_key):
+            if not m.users and _retire(mapping_key, m, claim_key, released):
                 return
         if claim_key is not None:
             _unclaim(claim_key)
@@ -513,6 +524,10 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
             importer: "Importer | None", hold_claim: bool, origin: Origin | None = None) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device`` (the current GPU); returns ``(pointer, lease)``.
 
+    The open is not counted yet: once it has succeeded the caller passes the
+    lease to :func:`opened`, and if it fails after this, to :func:`abandon`.
+    If this raises, it has let go of what it took.
+
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``) is
     where the release is ordered; ``memory_device`` is the GPU holding the
@@ -532,6 +547,30 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
             raise
     return m.ptr, Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
                         memory_device)
+
+
+def opened(lease: Lease) -> None:
+    """The open that :func:`acquire` made ``lease`` for has succeeded: count it as one of the export's opens,
+    once per claim (opens that share a claim count as one process's)."""
+    if lease.claim_key is None:
+        return
+    with _lock:
+        c = _claims.get(lease.claim_key)
+        if c is not None and not c.counted:
+            c.seg.count_open(c.slot)
+            c.counted = True
+
+
+def abandon(lease: Lease) -> None:
+    """The open that :func:`acquire` made ``lease`` for failed: let its mapping and claim go now, uncounted (so
+    that the producer still awaits a consumer, and the open may be retried). Now, not ordered on a stream:
+    no work on the memory was queued. The lease then releases nothing when collected."""
+    key = lease.mapping_key
+    if key is None:
+        return
+    lease.mapping_key = None
+    # Not a release: a mapping made for this open alone is unmapped, not kept idle as a buffer sent again.
+    _finish(key, lease.claim_key, released=False)
 
 
 def _forget_after_fork() -> None:

@@ -11,10 +11,14 @@ producer killed with SIGKILL is seen as gone at once.
 
 - the producer holds a read lock on :data:`ALIVE` for its whole life;
 - a consumer holds a read lock on ``in_use(slot)`` from open until its GPU work
-  on the memory has finished (:meth:`Segment.claim`); the producer frees a slot
+  on the memory has finished (:meth:`Segment.hold`); the producer frees a slot
   only after marking it ``REVOKED`` and then seeing no lock there
   (:meth:`Segment.try_free`). A consumer checks the state only once it holds
   its lock, so either the producer sees the lock or the consumer sees the mark;
+- a consumer counts its open in ``opens`` only once the open has succeeded
+  (:meth:`Segment.count_open`), still holding the lock: an open that fails
+  leaves no count, so the producer does not take it for one of the export's
+  consumers and the open may be retried;
 - ``mutex(slot)`` serialises the count of opens of an export that admits
   several consumers; one that admits a single consumer (``ONE_CONSUMER``) is
   counted without it, since any count above zero says the same.
@@ -221,12 +225,25 @@ class Segment:
 
     # --- the protocol --------------------------------------------------------
     def claim(self, slot: int, export_id: int) -> bool:
-        """Consumer: hold ``slot``'s in-use lock and count an open of ``export_id``; False, holding nothing, if
-        the slot no longer shares that export.
+        """Consumer: :meth:`hold` and :meth:`count_open` in one, for an open that cannot fail in between."""
+        if not self.hold(slot, export_id):
+            return False
+        try:
+            self.count_open(slot)
+        except BaseException:
+            self.unlock(in_use(slot))
+            raise
+        return True
 
-        One lock call for an export that admits one consumer; two (or four,
-        when another consumer holds the slot) for one that admits several,
-        whose count must be exact. The caller must not hold the slot's lock
+    def hold(self, slot: int, export_id: int) -> bool:
+        """Consumer: hold ``slot``'s in-use lock if the slot still shares ``export_id``; False, holding nothing,
+        if not. One lock call.
+
+        Counts nothing: an open is counted (:meth:`count_open`) only once it
+        has succeeded, so that one that fails leaves the export as it found
+        it. Counted at once, a failed open would count as one of the
+        export's consumers, and the producer could let the memory go before
+        the open is retried. The caller must not hold the slot's lock
         already (for another export): a refusal drops it.
         """
         held = in_use(slot)
@@ -235,51 +252,38 @@ class Segment:
         if (mm is None or at + _RECORD.size > len(mm)) and not self._reach(at):
             return False  # past the end: never written
         mm = self.mm
-        if _RECORD.unpack_from(mm, at)[2] & ONE_CONSUMER:  # type: ignore[arg-type]
-            # The common case, written out: it runs on every open.
-            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(READ, os.SEEK_SET, held, 1, 0))
-            try:
-                seen, opens, state = _RECORD.unpack_from(mm, at)  # type: ignore[arg-type]
-                ok = seen == export_id and state & STATE == PINNED
-                if ok:
-                    _U32.pack_into(mm, at + 8, opens + 1)  # type: ignore[arg-type]
-            except BaseException:
-                self.unlock(held)
-                raise
-            if not ok:
-                self.unlock(held)
-            return ok
-        if self.lock(held, WRITE, wait=False):
-            # Alone on the slot: count the open, then downgrade to a shared lock (atomic).
-            if not self._count_or_unlock(slot, export_id):
-                return False
-            self.lock(held, READ)
+        # self.lock(held, READ), written out: it runs on every open. No consumer takes a write lock there, so
+        # it does not wait.
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(READ, os.SEEK_SET, held, 1, 0))
+        try:
+            seen, _, state = _RECORD.unpack_from(mm, at)  # type: ignore[arg-type]
+        except BaseException:
+            self.unlock(held)
+            raise
+        if seen == export_id and state & STATE == PINNED:
             return True
-        self.lock(held, READ)
+        self.unlock(held)
+        return False
+
+    def count_open(self, slot: int) -> None:
+        """Consumer, holding ``slot``'s in-use lock (:meth:`hold`): count an open of its export.
+
+        Counted even if the export was revoked since the lock was taken: the
+        producer frees the slot only once that lock goes. No lock call for an
+        export that admits one consumer; two, through the slot's mutex, for
+        one that admits several, whose count must be exact.
+        """
+        at = _DATA_START + slot * _RECORD.size
+        mm = self.mm
+        _, opens, state = _RECORD.unpack_from(mm, at)  # type: ignore[arg-type]
+        if state & ONE_CONSUMER:
+            _U32.pack_into(mm, at + 8, opens + 1)  # type: ignore[arg-type]
+            return
         self.lock(mutex(slot), WRITE)
         try:
-            return self._count_or_unlock(slot, export_id)
+            self.write_opens(slot, self.opens(slot) + 1)
         finally:
             self.unlock(mutex(slot))
-
-    def _count_or_unlock(self, slot: int, export_id: int) -> bool:
-        """Count an open of ``export_id`` at ``slot``, whose in-use lock the caller took; on refusal or error,
-        drop that lock (held with no claim, it would pin the memory until this process exits)."""
-        try:
-            ok = self._count(slot, export_id)
-        except BaseException:
-            self.unlock(in_use(slot))
-            raise
-        if not ok:
-            self.unlock(in_use(slot))
-        return ok
-
-    def _count(self, slot: int, export_id: int) -> bool:
-        seen, opens, state = self.read(slot)
-        if seen != export_id or state & STATE != PINNED:
-            return False
-        self.write_opens(slot, opens + 1)
-        return True
 
     def try_free(self, slot: int) -> bool:
         """Producer: end new claims of ``slot``'s export, and free the slot if no consumer holds it.

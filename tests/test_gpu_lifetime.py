@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from workers import open_fds, segments
+from workers import open_fds, segments, spin
 
 pytestmark = pytest.mark.gpu
 
@@ -117,6 +117,54 @@ def test_consumers_count_allows_several_processes(remote):
     assert cupy_ipc.pinned() == []
     kind, message, _ = remote().call("open_error", data)
     assert kind == "IpcError" and "no longer shares" in message
+
+
+def _failed_then_retried(consumer, step: str) -> None:
+    """An open of an export failing at ``step`` (see ``workers.open_failing``) after the consumer has claimed it,
+    then its retry. The failure must let go of the claim at once, though the error is still held, and not count
+    as the export's consumer: the producer keeps the memory, not revoked, and the retry opens it."""
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.full(N, 3.0, cupy.float32)
+    if step == "event":
+        spin(1.0)  # still running at the export: the handle carries an ordering event
+    else:
+        cupy.cuda.get_current_stream().synchronize()
+    h = cupy_ipc.get_ipc_handle(a)
+    assert h.synced == (step == "event")
+    data = h.to_bytes()
+    del a
+    bad = data
+    if step == "size":  # a corrupt copy of the handle, which claims more memory than was exported
+        bad = cupy_ipc.IpcArrayHandle._make(h._f._replace(allocation_size=2 * h.allocation_size)).to_bytes()
+    failed = consumer.call("open_failing", bad, step)
+    expected = {"import": "cudaErrorMapBufferObjectFailed", "event": "cudaErrorMapBufferObjectFailed",
+                "size": "HandleError", "copy": "OutOfMemoryError"}[step]
+    assert expected in failed["error"]
+    assert (failed["counts"]["claims"], failed["counts"]["mapped"]) == (0, 0)
+    infos = cupy_ipc.pinned()  # after a sweep
+    assert [(i.opens, i.revoked) for i in infos] == [(0, False)], "the failed open ended the export"
+    assert (consumer.call("read", data) == 3).all()  # the retry
+    deadline = time.monotonic() + 20
+    while cupy_ipc.pinned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cupy_ipc.pinned() == []
+
+
+@pytest.mark.parametrize("step", ["import", "size", "event"])
+def test_an_open_that_fails_after_its_claim_leaves_the_export_to_a_retry(remote, step):
+    consumer = remote()
+    consumer.call("warm_up")
+    _failed_then_retried(consumer, step)
+
+
+@pytest.mark.multi_gpu(2)
+def test_a_staged_open_whose_copy_fails_leaves_the_export_to_a_retry(remote):
+    consumer = remote()
+    consumer.call("warm_up")
+    _failed_then_retried(consumer, "copy")
 
 
 def test_exports_awaiting_consumers_are_checked_a_constant_number_of_times_per_export(remote, monkeypatch):

@@ -348,6 +348,30 @@ def test_a_held_claim_keeps_the_slot_and_a_free_slot_refuses_claims(token, consu
         producer.close(unlink=True)
 
 
+@pytest.mark.parametrize("consumers_flag", [ONE_CONSUMER, 0], ids=["one consumer", "several consumers"])
+def test_a_held_slot_counts_no_open_until_the_open_is_counted(token, consumers_flag):
+    """An open holds the slot from its claim on, but is counted only once it has succeeded: one that fails drops
+    its lock and leaves the export as it found it, for a retry."""
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    try:
+        producer.write(4, 77, PINNED | consumers_flag)
+        assert consumer.hold(4, 77)
+        assert producer.opens(4) == 0 and producer.held_by_other(in_use(4))
+        consumer.unlock(in_use(4))  # the open failed
+        assert producer.read(4) == (77, 0, PINNED | consumers_flag) and not producer.held_by_other(in_use(4))
+        assert consumer.hold(4, 77)  # the retry
+        producer.write_state(4, REVOKED)  # revoked meanwhile: the open holds the slot, so it still counts
+        consumer.count_open(4)
+        assert producer.read(4) == (77, 1, REVOKED)
+        assert not producer.try_free(4)
+        consumer.unlock(in_use(4))
+        assert producer.try_free(4)
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
+
+
 def test_a_claim_names_its_export(token):
     """A slot freed and given to another export refuses the old export's handle, and holds nothing."""
     producer = Segment.create(token)

@@ -185,6 +185,41 @@ def open_error(data: bytes) -> tuple[str, str, float]:
     return "", "", time.perf_counter() - t
 
 
+def open_failing(data: bytes, step: str) -> dict[str, Any]:
+    """Open with one step failing: ``"import"`` (the CUDA import of the memory), ``"event"`` (the open of the
+    producer's ordering event), ``"copy"`` (the target GPU's buffer of a staged copy to GPU 1), else none
+    patched (a forged handle fails by itself). Returns the error and this process's tables, the error still
+    held (its traceback holds the failed open's frames)."""
+    import cupy
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    import cupy_ipc
+    from cupy_ipc import _array_handle, _mapping
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise CUDARuntimeError(205)  # cudaErrorMapBufferObjectFailed
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise cupy.cuda.memory.OutOfMemoryError(0, 0)
+
+    target, name, stub = {"import": (cupy.cuda.runtime, "ipcOpenMemHandle", failing),
+                          "event": (_array_handle, "open_cached", failing),
+                          "copy": (cupy.cuda, "alloc", out_of_memory)}.get(step, (None, "", None))
+    real = getattr(target, name) if target is not None else None
+    if target is not None:
+        setattr(target, name, stub)
+    error: BaseException | None = None
+    try:
+        h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+        h.open(device=1, copy=True) if step == "copy" else h.open()
+    except Exception as e:
+        error = e
+    finally:
+        if target is not None:
+            setattr(target, name, real)
+    return {"error": f"{type(error).__name__}: {error}", "counts": _mapping.counts()}
+
+
 def open_twice(data: bytes, close_first: int) -> dict[str, Any]:
     """Open one handle through two handle objects; close them in the given order."""
     import cupy
