@@ -89,24 +89,34 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
     try:
         with _lock:
             hit = _by_mapping.get(key)
-            fd = _kept.pop(base, None) if hit is None else None
-        if hit is not None:
-            return _exports[hit][0], hit
-        if fd is None:
-            err, prop = driver.cuMemGetAllocationPropertiesFromHandle(handle)
-            _cuda.check("reading the allocation's properties", err)
-            if not int(prop.requestedHandleTypes) & int(_cuda.posix_fd()):
-                raise IpcError(NOT_SHAREABLE)
-            err, fd = driver.cuMemExportToShareableHandle(handle, _cuda.posix_fd(), 0)
-            _cuda.check("exporting the allocation", err)
+            if hit is None and (kept := _kept.pop(base, None)) is not None:
+                hit = _register(kept, key)  # in the same block: another thread sending it too finds it here
+            if hit is not None:
+                return _exports[hit][0], hit
+        err, prop = driver.cuMemGetAllocationPropertiesFromHandle(handle)
+        _cuda.check("reading the allocation's properties", err)
+        if not int(prop.requestedHandleTypes) & int(_cuda.posix_fd()):
+            raise IpcError(NOT_SHAREABLE)
+        err, fd = driver.cuMemExportToShareableHandle(handle, _cuda.posix_fd(), 0)
+        _cuda.check("exporting the allocation", err)
     finally:
         driver.cuMemRelease(handle)
     with _lock:
-        alloc_id = next(_ids)
-        _exports[alloc_id] = (int(fd), key)  # closed by the sweep once unmapped
-        _by_mapping[key] = alloc_id
-        _by_fd[int(fd)] = alloc_id
-    return int(fd), alloc_id
+        hit = _by_mapping.get(key)
+        if hit is None:
+            return int(fd), _register(int(fd), key)
+        theirs = _exports[hit][0]
+    os.close(int(fd))  # another thread exported it meanwhile; ours was never handed out
+    return theirs, hit
+
+
+def _register(fd: int, key: _Key) -> int:
+    """Enter an exported allocation in the tables; its id. The caller holds ``_lock``."""
+    alloc_id = next(_ids)
+    _exports[alloc_id] = (fd, key)  # closed by the sweep once unmapped
+    _by_mapping[key] = alloc_id
+    _by_fd[fd] = alloc_id
+    return alloc_id
 
 
 def exports(fds: list[int], resource: int) -> bool:
@@ -165,19 +175,29 @@ def sweep() -> int:
     global _sweep_at
     with _lock:
         items = list(_exports.items())
-    gone = [(alloc_id, fd, key) for alloc_id, (fd, key) in items if not _still_mapped(key)]
-    closing = []
+    gone = [alloc_id for alloc_id, (_, key) in items if not _still_mapped(key)]
     with _lock:
-        for alloc_id, fd, key in gone:
-            if _exports.pop(alloc_id, None) is not None:
-                if _by_fd.get(fd) == alloc_id:  # before the close, which frees the number for reuse
-                    del _by_fd[fd]
-                closing.append(fd)
-                if _by_mapping.get(key) == alloc_id:
-                    del _by_mapping[key]
+        closing = _forget_exports(gone)
         _sweep_at = max(_SWEEP_FLOOR, 2 * len(_exports))
     _fdserver.retire(closing)  # outside _lock, which the descriptor server's check takes
     return len(gone)
+
+
+def _forget_exports(alloc_ids: list[int]) -> list[int]:
+    """Drop exported allocations ``alloc_ids`` from the tables; their descriptors, to be retired. The caller
+    holds ``_lock``."""
+    closing = []
+    for alloc_id in alloc_ids:
+        entry = _exports.pop(alloc_id, None)
+        if entry is None:
+            continue
+        fd, key = entry
+        if _by_fd.get(fd) == alloc_id:  # before the close, which frees the number for reuse
+            del _by_fd[fd]
+        closing.append(fd)
+        if _by_mapping.get(key) == alloc_id:
+            del _by_mapping[key]
+    return closing
 
 
 def sweep_if_grown() -> int:
@@ -333,13 +353,20 @@ def _unmap(ptr: int, sizes: list[int], total: int) -> list[Any]:
 
 
 def unmap(ptr: int, sizes: list[int]) -> None:
-    """Undo :func:`import_mapping` (or a mapping of :func:`allocate`): unmap each piece, free the addresses."""
+    """Undo :func:`import_mapping` (or a mapping of :func:`allocate`): unmap each piece, free the addresses.
+
+    The descriptors of exports of these pieces are closed too: each holds its allocation's memory, which
+    for a piece sent on is another process's, until a sweep would find it unmapped.
+    """
     kept, at = [], ptr
+    end = ptr + sum(sizes)
     with _lock:
         for size in sizes:
             kept.append(_kept.pop(at, -1))
             at += size
+        exported = _forget_exports([i for i, (_, key) in _exports.items() if ptr <= key[0] < end])
     _close(kept)
+    _fdserver.retire(exported)
     for err in _unmap(ptr, sizes, sum(sizes)):
         _cuda.check("unmapping the producer's allocation", err)
 

@@ -243,6 +243,44 @@ def test_descriptors_of_freed_allocations_stay_bounded_between_collects(remote):
     assert not _vmm._exports and not _vmm._by_fd
 
 
+def test_a_relay_lets_go_of_the_memory_once_its_mapping_is_gone(remote):
+    # B sends our array on, then lets it go: the descriptor its export took over holds our memory until
+    # B closes it, which must not wait for a collect() in B.
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _vmm
+
+    from workers import vmm_array
+
+    relay = remote()
+    relay.call("warm_up")  # its context made before the count of free memory starts
+    cupy_ipc.collect()
+    n = 1 << 28  # 1 GiB of float32
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    first, a = vmm_array(4096), vmm_array(n)
+    got = relay.call("relay_vmm_then_drop", [cupy_ipc.get_ipc_handle(x).to_bytes() for x in (first, a)])
+    assert got[1]["sum"] == pytest.approx(float(np.arange(n, dtype=np.float64).sum()), rel=1e-4)
+    assert [(g["mapped"], g["exports"]) for g in got] == [(0, 0), (0, 0)], got
+    assert got[1]["fds"] == got[0]["fds"], got  # no descriptor of the second kept either
+    del a, first
+    cupy_ipc.collect()  # ends our pin: the array goes, and its export's descriptor with its mapping
+    assert not _vmm._exports
+    cupy.get_default_memory_pool().free_all_blocks()  # the fill's temporary GiB
+    assert cupy.cuda.runtime.memGetInfo()[0] > free - (256 << 20)  # the GiB is back while B lives
+
+
+def test_two_threads_sending_one_mapped_piece_at_once_share_its_descriptor(remote):
+    import cupy_ipc
+
+    from workers import vmm_array
+
+    relay = remote()
+    arrays = [vmm_array(4096) for _ in range(20)]
+    got = relay.call("export_from_two_threads", [cupy_ipc.get_ipc_handle(a).to_bytes() for a in arrays])
+    assert got == {"errors": [], "same": 20}
+
+
 def test_a_new_allocation_mapped_where_an_old_one_was_shares_its_own_memory(remote):
     # PyTorch's expandable segments unmap freed pages and later map new allocations at the same addresses.
     import cupy

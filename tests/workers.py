@@ -753,6 +753,69 @@ def vmm_producer(n: int) -> bytes:
     return cupy_ipc.get_ipc_handle(a).to_bytes()
 
 
+def relay_vmm_then_drop(items: list[bytes]) -> list[dict[str, Any]]:
+    """For each handle of virtual memory: open it, send the array on (export it again, then release that
+    export) and let it go, without a collect; the sum, and the mappings, exports and open descriptors this
+    process has then (the first handle also opens what this process keeps per producer)."""
+    import cupy_ipc
+    from cupy_ipc import _vmm
+
+    got = []
+    for data in items:
+        h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+        a = h.open()
+        total = float(a.sum())
+        relayed = cupy_ipc.get_ipc_handle(a)
+        relayed.release()
+        h.close()
+        del a, relayed
+        gc.collect()
+        got.append({"sum": total, "mapped": _mapped_once_released(), "exports": len(_vmm._exports),
+                    "fds": open_fds()})
+    return got
+
+
+def export_from_two_threads(items: list[bytes]) -> dict[str, Any]:
+    """For each handle of virtual memory: open it, and have two threads export the array at the same moment
+    (as two queues sending it on would); the errors raised, and whether both exports named one descriptor."""
+    import sys
+    import threading
+
+    import cupy_ipc
+
+    errors: list[str] = []
+    same = 0
+
+    def export(a: Any, barrier: threading.Barrier, got: list[Any]) -> None:
+        barrier.wait()
+        try:
+            got.append(cupy_ipc.get_ipc_handle(a))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            errors.append(f"{type(e).__name__}: {e}")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, to meet the window
+    try:
+        for data in items:
+            h = cupy_ipc.IpcArrayHandle.from_bytes(data)
+            a = h.open()
+            got: list[Any] = []
+            args = (a, threading.Barrier(2), got)
+            threads = [threading.Thread(target=export, args=args) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            same += len(got) == 2 and got[0]._f.fd == got[1]._f.fd
+            for g in got:
+                g.release()
+            h.close()
+            del a, got, args, threads
+    finally:
+        sys.setswitchinterval(old)
+    return {"errors": errors, "same": same}
+
+
 def torch_expandable_producer(n: int) -> dict[str, Any]:
     """A tensor of PyTorch's expandable segments (the environment asks for them), exported."""
     import torch
