@@ -35,9 +35,10 @@ _access: set[tuple[int, int]] = set()  # consumer: (pool handle, device) given r
 # consumer: pointers imported from each pool and not freed yet (or being imported), and each one's pool:
 # a pool with none, whose producer has exited, is let go (see release_exited).
 _live: dict[tuple[bytes, int], int] = {}
-# consumer: each imported pointer's pool and how many mappings hold it: the driver returns one pointer for
-# every import of an allocation (for another GPU's mapping, say) and unmaps it for all at the first free.
-_pointer_pool: dict[int, list[Any]] = {}
+# consumer: each imported pointer's pool key, once per mapping holding it: the driver returns one pointer
+# for every import of an allocation (for another GPU's mapping, or the same allocation sent by two
+# processes) and unmaps it for all at the first free.
+_pointer_pool: dict[int, list[tuple[bytes, int]]] = {}
 
 NOT_SHAREABLE = (
     "this memory comes from a stream-ordered pool (cudaMallocAsync) created without a shareable handle type "
@@ -176,7 +177,7 @@ def release_exited() -> int:
             _segment.attach(key[0], hit[2])  # by the producer's segment, which a reused pid cannot fool
         except ProducerExitedError:
             exited.append((key, hit))
-    gone = []
+    gone, destroy = [], []
     with _lock:
         for key, hit in exited:
             if key in _live or _imports.get(key) is not hit:  # a pointer was imported meanwhile
@@ -185,10 +186,14 @@ def release_exited() -> int:
             pool = int(hit[0])
             if _exports.get(pool, (None,))[0] == hit[1]:  # sent on from here, under an id of ours
                 del _exports[pool]
-            _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
-            gone.append(hit)
-    for pool, fd, _ in gone:
-        _fdserver.retire([fd])  # (it may have been sent on)
+            gone.append(hit[1])
+            # The driver imports a pool once per process: the same pool sent by two processes (its producer
+            # and one sending its allocations on) is one handle under two keys, destroyed for both at once.
+            if not any(int(other[0]) == pool for other in _imports.values()):
+                _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
+                destroy.append(hit[0])
+    _fdserver.retire(gone)  # (they may have been sent on)
+    for pool in destroy:
         _driver().cuMemPoolDestroy(pool)
     return len(gone)
 
@@ -225,11 +230,7 @@ def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tup
             _live_change(key, -1)
         raise
     with _lock:
-        hit = _pointer_pool.get(int(ptr))
-        if hit is None:
-            _pointer_pool[int(ptr)] = [key, 1]
-        else:
-            hit[1] += 1
+        _pointer_pool.setdefault(int(ptr), []).append(key)
     return int(ptr)
 
 
@@ -237,17 +238,16 @@ def free_imported(ptr: int) -> None:
     """Unmap an imported pool allocation (the producer may free it once every importer has), once the last
     mapping holding its pointer lets it go."""
     with _lock:
-        hit = _pointer_pool.get(ptr)
-        if hit is not None and hit[1] > 1:  # another mapping still holds the pointer
-            hit[1] -= 1
-            _live_change(hit[0], -1)
+        keys = _pointer_pool.get(ptr)
+        if keys is not None and len(keys) > 1:  # another mapping still holds the pointer
+            _live_change(keys.pop(), -1)
             return
     (err,) = _driver().cuMemFree(ptr)
     _cuda.check("freeing the imported pool allocation", err)
     with _lock:
-        hit = _pointer_pool.pop(ptr, None)
-        if hit is not None:
-            _live_change(hit[0], -1)
+        keys = _pointer_pool.pop(ptr, None)
+        if keys:
+            _live_change(keys[0], -1)
 
 
 def forget() -> None:

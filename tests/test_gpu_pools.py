@@ -163,6 +163,35 @@ def test_a_consumer_lets_go_of_the_pool_of_a_producer_that_exited_once_it_maps_n
     assert r["sum"] == _expected_sum(offset=1.0) and r["pools_imported"] == before["pools_imported"] + 1
 
 
+def test_a_pool_received_from_its_producer_and_from_a_relay_that_exits_stays_imported(remote):
+    # The driver imports a pool once per process (seen on an H200: one handle for every descriptor of it), so
+    # C's import from us and its import of B's relay are one pool under two keys. B exiting must let go of
+    # B's key only: destroying the pool for it would destroy ours.
+    import cupy
+
+    import cupy_ipc
+
+    relay, consumer = remote(), remote()
+    pool, a = _shareable(offset=1.0)
+    with cupy.cuda.using_allocator(pool.malloc):  # two more allocations of the same pool
+        b = cupy.arange(N, dtype=cupy.float32) + 2.0
+        c = cupy.arange(N, dtype=cupy.float32) + 3.0
+    consumer.call("hold", cupy_ipc.get_ipc_handle(a).to_bytes(), "direct")
+    relayed = relay.call("hold_and_send_on", cupy_ipc.get_ipc_handle(b).to_bytes(), "b")
+    consumer.call("hold", relayed, "relayed")
+    np.testing.assert_array_equal(consumer.call("read_held", "relayed")[:2], [2.0, 3.0])
+    np.testing.assert_array_equal(consumer.call("read_held", "direct")[:2], [1.0, 2.0])
+    two_keys = consumer.call("state")["pools"]
+    consumer.call("drop", "relayed")
+    consumer.call("drop", "direct")  # (the driver defers a pool's destruction while a pointer of it lives)
+    relay.kill()
+    time.sleep(0.5)
+    consumer.call("collect")  # B's key goes: B exited, and nothing of it is mapped
+    assert consumer.call("state")["pools"] == two_keys - 1
+    assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(c).to_bytes())["sum"] == \
+        _expected_sum(offset=3.0)  # the pool, imported under our key, still imports its allocations
+
+
 def test_a_pool_without_a_shareable_handle_type_is_refused_with_advice():
     import cupy
 

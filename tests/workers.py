@@ -270,6 +270,14 @@ def hold(data: bytes, name: str) -> None:
     _held[name] = IpcArrayHandle.from_bytes(data).open()
 
 
+def hold_and_send_on(data: bytes, name: str) -> bytes:
+    """Open handle bytes, keep the array as ``name``, and export it again: the new handle's bytes."""
+    import cupy_ipc
+
+    _held[name] = cupy_ipc.IpcArrayHandle.from_bytes(data).open()
+    return cupy_ipc.get_ipc_handle(_held[name]).to_bytes()
+
+
 def read_held(name: str) -> np.ndarray:
     import cupy
 
