@@ -12,7 +12,8 @@ takes one more, to learn which ranks share the host.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ._array_handle import IpcArrayHandle, get_ipc_handle
@@ -168,8 +169,24 @@ class Gathered(Sequence[Any]):
         return f"<Gathered rank={self.rank} [{', '.join(kinds)}]>"
 
 
-# id(group) -> (group, its ranks on this host); the group is held so that its id stays its own.
-_group_hosts: dict[int, tuple[Any, list[int]]] = {}
+# id(group) -> (what gives the group back, its ranks on this host). A weak reference where the group takes one
+# (a torch.distributed group does), so that the table does not keep groups alive; the entry goes with the group,
+# and a new group at its id is not taken for it. Else the group is held, so that its id stays its own.
+_group_hosts: dict[int, tuple[Callable[[], Any], list[int]]] = {}
+
+
+def _known_ranks(group: Any) -> list[int] | None:
+    known = _group_hosts.get(id(group))
+    return known[1] if known is not None and known[0]() is group else None
+
+
+def _remember_ranks(group: Any, local: list[int]) -> None:
+    key = id(group)
+    try:
+        ref: Callable[[], Any] = weakref.ref(group, lambda _, key=key: _group_hosts.pop(key, None))
+    except TypeError:  # no weak references to it (None, the default group of torch.distributed, say)
+        ref = lambda group=group: group  # noqa: E731
+    _group_hosts[key] = (ref, local)
 
 
 def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool = False) -> Gathered:
@@ -199,11 +216,11 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
     """
     engine = _Engine(group)
     rank, size = engine.rank, engine.size
-    known = _group_hosts.get(id(group))
-    if known is None or known[0] is not group:
+    local = _known_ranks(group)
+    if local is None:
         # Every rank calls all_gather on the group alike, so all learn it in the same call.
-        known = _group_hosts[id(group)] = (group, _local_ranks(engine))
-    local = known[1]
+        local = _local_ranks(engine)
+        _remember_ranks(group, local)
     peers = len(local) - 1
     mine, error = None, None
     if peers:

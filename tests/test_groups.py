@@ -74,6 +74,36 @@ def test_hosts_are_gathered_once_per_group():
         assert (Counting.calls, Counting.reductions) == (gathers, reductions)
 
 
+def test_the_table_of_groups_does_not_keep_a_group_alive():
+    import gc
+    import weakref
+
+    from cupy_ipc import _groups
+
+    comm = HostsComm(1, ["a", "here", "b"])
+    cupy_ipc.all_gather(np.arange(3), comm).close()
+    assert _groups._known_ranks(comm) == [1]
+    gone, key = weakref.ref(comm), id(comm)
+    del comm
+    gc.collect()
+    assert gone() is None and key not in _groups._group_hosts
+
+
+def test_a_group_without_weak_references_is_held_and_known_by_itself_only():
+    from cupy_ipc import _groups
+
+    class NoWeakReferences:
+        __slots__ = ()
+
+    group = NoWeakReferences()
+    _groups._remember_ranks(group, [0, 2])
+    try:
+        assert _groups._known_ranks(group) == [0, 2] and _groups._known_ranks(NoWeakReferences()) is None
+        assert _groups._group_hosts[id(group)][0]() is group
+    finally:
+        del _groups._group_hosts[id(group)]
+
+
 def test_torch_engine_gathers_short_missing_and_long_handles_and_any_failure(tmp_path):
     # gloo on the CPU: the tensor gather of fixed-size rows, its spill for a handle longer than a row,
     # and the failure reduction, as every rank sees them.
