@@ -477,7 +477,7 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _open_common(f: ArrayFields) -> Any:
+def _open_common(f: ArrayFields, last_try: bool = False) -> Any:
     """The open of nearly every message, written out flat: another process's ``cudaMalloc`` memory, mapped
     on the current GPU, which holds it, ordered on its current stream. ``None``, having done nothing, for
     any other case (the general path then opens it).
@@ -500,7 +500,7 @@ def _open_common(f: ArrayFields) -> Any:
         ptr, lease = _mapping.acquire(
             (device, Kind.LEGACY, f.memory_handle, producer.token, f.buffer_id), device, f.memory_handle,
             f.allocation_size, None, None, seg, producer.token, producer.pid, f.export_id, f.slot, stream, device,
-            device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size))
+            device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size), last_try)
         try:
             if f.flags & FLAG_EVENT:
                 ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it
@@ -510,11 +510,17 @@ def _open_common(f: ArrayFields) -> Any:
             arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
             _mapping.opened(lease)
         except BaseException:
-            _mapping.abandon(lease)  # now, not when the traceback (which holds the lease) goes
+            mem = arr = None  # no array of the mapping left in the traceback's frame once it is gone
+            _mapping.abandon(lease, last_try)  # now, not when the traceback (which holds the lease) goes
             raise
     except _cuda._runtime_error() as e:
         raise _cuda._translated("opening the array", e) from e
     return arr
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        close_quietly(fd)
 
 
 class IpcArrayHandle:
@@ -604,14 +610,24 @@ class IpcArrayHandle:
         object.__setattr__(self, "_server", server)
 
     def _take_fds(self) -> tuple[int, ...] | None:
-        """The descriptors that came with this handle, else those the producer's server sends, now the caller's
-        to close; ``None``: neither (the importer takes them with ``pidfd_getfd``)."""
-        fds = self._fd
-        object.__setattr__(self, "_fd", None)
-        if fds is None and self._server is not None:
-            fds = tuple(_fdserver.fetch(self._server, self._f.producer.pid, self._producer_numbers(),
-                                             self._f.resource))
-        return fds
+        """Copies of the descriptors that came with this handle, else those the producer's server sends, now
+        the caller's to close; ``None``: neither (the importer takes them with ``pidfd_getfd``).
+
+        Copies: the handle keeps its own until it is closed, so that an open that fails may be retried
+        without ``pidfd_getfd``, which ptrace rules may refuse where a socket was the way in."""
+        if self._fd is not None:
+            copies: list[int] = []
+            try:
+                for fd in self._fd:
+                    copies.append(os.dup(fd))
+            except OSError as e:
+                _close_all(copies)
+                raise IpcError(f"could not copy the memory's descriptors: {os.strerror(e.errno or 0)}") from e
+            return tuple(copies)
+        if self._server is not None:
+            return tuple(_fdserver.fetch(self._server, self._f.producer.pid, self._producer_numbers(),
+                                         self._f.resource))
+        return None
 
     def _producer_numbers(self) -> list[int]:
         """The numbers, in the producer, of the descriptors behind this handle: the pool's, or each piece's."""
@@ -633,8 +649,7 @@ class IpcArrayHandle:
         return list(self._fd or ())
 
     def _close_fds(self) -> None:
-        for fd in getattr(self, "_fd", None) or ():
-            close_quietly(fd)
+        _close_all(getattr(self, "_fd", None) or ())
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None):
@@ -731,14 +746,16 @@ class IpcArrayHandle:
         self._opened.append(arr)
         return arr
 
-    def _open(self, stream: Any = None, device: int | None = None, copy: bool = False) -> Any:
-        """:meth:`open` without tracking the array: it lives until it is garbage-collected."""
+    def _open(self, stream: Any = None, device: int | None = None, copy: bool = False, last_try: bool = False) -> Any:
+        """:meth:`open` without tracking the array: it lives until it is garbage-collected. ``last_try``: an
+        open that will not be retried (a message's), counted as one of the export's even if it fails, so that
+        the producer does not keep the memory for it."""
         import cupy
 
         _fork.check()
         f = self._f
         if stream is None and device is None and f.kind == Kind.LEGACY:
-            arr = _open_common(f)
+            arr = _open_common(f, last_try)
             if arr is not None:
                 return arr
         if f.producer.boot_id != this_process().boot_id:
@@ -773,15 +790,15 @@ class IpcArrayHandle:
                 stream_obj = cupy.cuda.get_current_stream()
         if not staged:
             if target == current:  # no device to switch to and back
-                return self._mapped(target, home, stream_obj, target)
+                return self._mapped(target, home, stream_obj, target, last_try=last_try)
             with _cuda.using_device(target):
-                return self._mapped(target, home, stream_obj, target)
+                return self._mapped(target, home, stream_obj, target, last_try=last_try)
         # Map on the memory's GPU, copy to the target on the consumer's
         # stream, and let the mapping go once that copy is done. The open
         # counts only once the copy is queued: one that fails there (no
         # memory on the target, say) may be retried.
         with _cuda.using_device(home):
-            src = self._mapped(home, home, stream_obj, target, count=False)
+            src = self._mapped(home, home, stream_obj, target, count=False, last_try=last_try)
         lease = src.data.mem._owner
         lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
         runtime = _cuda.rt()
@@ -791,7 +808,8 @@ class IpcArrayHandle:
                 _cuda.call("copying the array between GPUs", runtime.memcpyPeerAsync, dst.ptr, target,
                            src.data.ptr + lo, home, hi - lo, stream_obj.ptr)
             except BaseException:
-                _mapping.abandon(lease)  # nothing was queued on the mapping
+                src = None  # no array of the mapping left in the traceback's frame once it is gone
+                _mapping.abandon(lease, last_try)  # nothing was queued on the mapping
                 raise
             _mapping.opened(lease)
             arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(dst.mem, -lo), f.strides)
@@ -799,7 +817,8 @@ class IpcArrayHandle:
         _opened_unmapped.set(arr, OpenInfo(target, home, copied=True))
         return arr
 
-    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int, count: bool = True) -> Any:
+    def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int, count: bool = True,
+                last_try: bool = False) -> Any:
         """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it), which is current.
         Unless ``count``, the open is not counted yet: the caller passes the array's lease to
         :func:`_mapping.opened` once its open has succeeded, or to :func:`_mapping.abandon`."""
@@ -845,7 +864,7 @@ class IpcArrayHandle:
         ptr, lease = _mapping.acquire(
             key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
             producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,
-            f.kind == Kind.POOL, origin,
+            f.kind == Kind.POOL, origin, last_try,
         )
         try:
             if f.flags & FLAG_EVENT:
@@ -860,17 +879,21 @@ class IpcArrayHandle:
             if count:
                 _mapping.opened(lease)
         except BaseException:
-            _mapping.abandon(lease)  # now, not when the traceback (which holds the lease) goes
+            mem = arr = None  # no array of the mapping left in the traceback's frame once it is gone
+            _mapping.abandon(lease, last_try)  # now, not when the traceback (which holds the lease) goes
             raise
         return arr
 
     def close(self) -> None:
-        """Drop the arrays this handle opened. Idempotent.
+        """Drop the arrays this handle opened, and close the descriptors that came with it. Idempotent.
 
         Memory is unmapped when the last array or view using it is freed. If
         views other than the returned array outlive this call, a
         ``ResourceWarning`` says how many.
         """
+        if self._fd is not None:  # the imports hold their own copies
+            self._close_fds()
+            object.__setattr__(self, "_fd", None)
         opened = self._opened[:]
         self._opened.clear()
         outliving = 0

@@ -398,8 +398,9 @@ def _forged(claimed: int, mapped: int) -> str:
 
 def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | None, released: bool = True) -> bool:
     """Mapping ``m`` has lost its last user: keep it idle or unmap it; True when the idle mapping took over
-    ``claim_key`` (the caller must not release it). Unless ``released``, that user's open failed: it does
-    not count as a release of the allocation here."""
+    ``claim_key`` (the caller must not release it). Unless ``released``, that user's open failed: the
+    mapping is unmapped, neither kept idle (with a claim that would outlive the failure) nor remembered as a
+    buffer released here."""
     del _active[key]
     if not m.imported:  # the producer's own memory: nothing to unmap or keep
         return False
@@ -408,7 +409,7 @@ def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | No
     # later by the eviction of an older mapping (whose producer may have freed
     # it, which makes that unmap the one that frees the memory).
     held = m.hold_claim and claim_key is not None
-    if _idle_limit and (held or not m.hold_claim) and _released_before(key, released):
+    if _idle_limit and released and (held or not m.hold_claim) and _released_before(key):
         m.held = claim_key if held else None
         _park(key, m)
         if len(_idle) > _idle_limit or _idle_fds:
@@ -420,14 +421,13 @@ def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | No
     return False
 
 
-def _released_before(key: tuple[Any, ...], remember: bool = True) -> bool:
+def _released_before(key: tuple[Any, ...]) -> bool:
     if key in _released:
         _released.move_to_end(key)
         return True
-    if remember:
-        _released[key] = None
-        if len(_released) > _RELEASED_MAX:
-            _released.popitem(last=False)
+    _released[key] = None
+    if len(_released) > _RELEASED_MAX:
+        _released.popitem(last=False)
     return False
 
 
@@ -521,12 +521,15 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any, stream_device: int, memory_device: int,
-            importer: "Importer | None", hold_claim: bool, origin: Origin | None = None) -> tuple[int, Lease]:
+            importer: "Importer | None", hold_claim: bool, origin: Origin | None = None,
+            last_try: bool = False) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device`` (the current GPU); returns ``(pointer, lease)``.
 
     The open is not counted yet: once it has succeeded the caller passes the
     lease to :func:`opened`, and if it fails after this, to :func:`abandon`.
-    If this raises, it has let go of what it took.
+    If this raises, it has let go of what it took; with ``last_try`` (an
+    open that will not be retried, such as a message's) its claim is counted
+    first, so that the producer does not wait for it.
 
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``) is
@@ -543,7 +546,11 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
         try:
             m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim, segment, origin)
         except BaseException:
-            _unclaim(claim_key)
+            try:
+                if last_try:
+                    _count(claim_key)
+            finally:
+                _unclaim(claim_key)
             raise
     return m.ptr, Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
                         memory_device)
@@ -552,25 +559,35 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
 def opened(lease: Lease) -> None:
     """The open that :func:`acquire` made ``lease`` for has succeeded: count it as one of the export's opens,
     once per claim (opens that share a claim count as one process's)."""
-    if lease.claim_key is None:
-        return
-    with _lock:
-        c = _claims.get(lease.claim_key)
-        if c is not None and not c.counted:
-            c.seg.count_open(c.slot)
-            c.counted = True
+    if lease.claim_key is not None:
+        with _lock:
+            _count(lease.claim_key)
 
 
-def abandon(lease: Lease) -> None:
+def _count(claim_key: tuple[bytes, int] | None) -> None:
+    # Under _lock.
+    c = _claims.get(claim_key) if claim_key is not None else None
+    if c is not None and not c.counted:
+        c.seg.count_open(c.slot)
+        c.counted = True
+
+
+def abandon(lease: Lease, count: bool = False) -> None:
     """The open that :func:`acquire` made ``lease`` for failed: let its mapping and claim go now, uncounted (so
-    that the producer still awaits a consumer, and the open may be retried). Now, not ordered on a stream:
-    no work on the memory was queued. The lease then releases nothing when collected."""
+    that the producer still awaits a consumer, and the open may be retried) unless ``count`` (it will not be
+    retried). Now, not ordered on a stream: no work on the memory was queued. The lease then releases nothing
+    when collected."""
     key = lease.mapping_key
     if key is None:
         return
     lease.mapping_key = None
-    # Not a release: a mapping made for this open alone is unmapped, not kept idle as a buffer sent again.
-    _finish(key, lease.claim_key, released=False)
+    try:
+        if count and lease.claim_key is not None:
+            with _lock:
+                _count(lease.claim_key)
+    finally:
+        # Not a release: the mapping is unmapped, not kept idle as a buffer sent again.
+        _finish(key, lease.claim_key, released=False)
 
 
 def _forget_after_fork() -> None:

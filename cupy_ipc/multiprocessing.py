@@ -242,7 +242,7 @@ def _rebuild_ndarray(data: bytes, server: bytes | None = None) -> Any:
     h = IpcArrayHandle.from_bytes(data)
     if server is not None:
         h._ask_producer(server)
-    return h._open()
+    return h._open(last_try=True)  # the message is consumed: a failed open is not retried
 
 
 # --- events ----------------------------------------------------------------------

@@ -222,17 +222,22 @@ def sender(request, monkeypatch):
         producer.close(unlink=True)
 
 
-@pytest.mark.parametrize("step", ["import", "size", "event"])
-def test_a_handle_whose_open_fails_after_its_claim_opens_on_a_retry(sender, step):
-    handle, producer, runtime, event_errors = sender
-    bad = handle
+def _failing(step: str, handle: IpcArrayHandle, runtime: _Runtime, event_errors: list[BaseException]):
+    """Make an open of ``handle`` fail at ``step``: ``(the handle to open, the error it raises)``."""
     if step == "import":
         runtime.failing = True
     elif step == "size":  # a corrupt copy of the handle, which claims more memory than the driver maps
-        bad = IpcArrayHandle._make(handle._f._replace(allocation_size=128))
+        return IpcArrayHandle._make(handle._f._replace(allocation_size=128)), HandleError
     else:
         event_errors.append(IpcError("opening the producer's ordering event failed: cudaErrorMapBufferObjectFailed"))
-    with pytest.raises(HandleError if step == "size" else IpcError) as failed:
+    return handle, IpcError
+
+
+@pytest.mark.parametrize("step", ["import", "size", "event"])
+def test_a_handle_whose_open_fails_after_its_claim_opens_on_a_retry(sender, step):
+    handle, producer, runtime, event_errors = sender
+    bad, error = _failing(step, handle, runtime, event_errors)
+    with pytest.raises(error) as failed:
         bad.open()
     # Checked while the error, and with it the failed open's frames, is still held.
     assert failed.value is not None
@@ -248,3 +253,97 @@ def test_a_handle_whose_open_fails_after_its_claim_opens_on_a_retry(sender, step
     assert (producer.opens(0), _in_use(producer, 0)) == (1, False)
     # Released once: unmapped, not kept idle as a buffer sent again.
     assert runtime.closed[-1] == MAPPED_AT and not _mapping._idle
+
+
+@pytest.mark.parametrize("step", ["import", "size", "event"])
+def test_a_failed_open_that_is_not_retried_counts_so_the_producer_lets_the_memory_go(sender, step):
+    # A message's open (cupy_ipc.multiprocessing) is its last try: failed, it still ends the producer's wait.
+    handle, producer, runtime, event_errors = sender
+    bad, error = _failing(step, handle, runtime, event_errors)
+    with pytest.raises(error):
+        bad._open(last_try=True)
+    assert (producer.opens(0), _in_use(producer, 0)) == (1, False)
+    assert not _mapping._idle and not _mapping._claims
+
+
+# --- pools and virtual memory ----------------------------------------------------------------------------------
+def test_a_failed_open_of_a_pool_buffer_sent_again_lets_go_of_its_claim(monkeypatch):
+    # A pool import's idle mapping keeps its last user's claim (the producer must not free the memory while
+    # it is mapped). A failed open must not leave its mapping idle with that claim: the export would stay
+    # pinned, and open after the producer's release().
+    token = this_process().token
+    _segment.own_segment(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    unmapped: list[int] = []
+    monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: unmapped.append(m.ptr))
+    monkeypatch.setattr(_cuda, "stream_idle", lambda ptr: True)
+    monkeypatch.setattr(_cuda, "address_range", lambda ptr: (ptr, 64))
+    monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
+    monkeypatch.setattr(_mapping, "_released", collections.OrderedDict())
+    importer = (lambda: MAPPED_AT, lambda ptr: None, 0)
+
+    def acquire(export_id, slot):  # the same pool allocation each time
+        return _mapping.acquire((0, "pool", token, 1, 9), 0, bytes(64), 64, None, None, consumer, token,
+                                os.getpid(), export_id, slot, _Stream(), 0, 0, importer, True)
+
+    first, slot1, own = _pin(1)
+    second = None
+    try:
+        _, lease = acquire(first, slot1)  # sent once, opened and released: remembered as released here
+        _mapping.opened(lease)
+        del lease
+        assert unmapped == [MAPPED_AT]
+        second, slot2, _ = _pin(1)  # sent again
+        _, lease = acquire(second, slot2)
+        _mapping.abandon(lease)  # its open failed (the ordering event, say)
+        assert (own.opens(slot2), _in_use(own, slot2)) == (0, False)
+        assert unmapped == [MAPPED_AT, MAPPED_AT] and not _mapping._idle and not _mapping._claims
+        _keepalive.release(second)
+        assert _keepalive.lookup(second) is None
+        with pytest.raises(IpcError, match="no longer shares this memory"):
+            acquire(second, slot2)
+    finally:
+        for export_id in (first, second):
+            if export_id is not None:
+                _keepalive.release(export_id)
+        _mapping.collect_idle()
+        consumer.close()
+
+
+def test_a_vmm_handle_received_with_its_descriptors_has_them_again_for_a_retry(sender, monkeypatch):
+    # The open hands the importer copies: a retry after a failure (which closed the first copies with the
+    # mapping) gets the descriptors again, rather than taking them with pidfd_getfd, which ptrace rules may
+    # refuse where they came over a socket.
+    from cupy_ipc import _vmm
+    from cupy_ipc._wire import Kind
+
+    handle, producer, runtime, event_errors = sender
+    f = handle._f._replace(kind=Kind.VMM, fd=42, resource=3)
+    vmm = IpcArrayHandle._make(f)
+    r, w = os.pipe()
+    os.close(w)
+    vmm._adopt_descriptors([r])  # as recv_handle does
+    given: list[tuple[int, ...] | None] = []
+
+    def import_mapping(pid, pieces, device, fds):
+        given.append(fds)
+        if fds is None:
+            raise IpcError("pidfd_getfd refused")
+        for fd in fds:
+            os.close(fd)  # the mapping's own copies, closed with it
+        return MAPPED_AT
+
+    monkeypatch.setattr(_vmm, "import_mapping", import_mapping)
+    monkeypatch.setattr(_vmm, "unmap", lambda ptr, sizes: None)
+    monkeypatch.setattr(_cuda, "ordinal_of_uuid", lambda u: 0)
+    monkeypatch.setattr(_cuda, "current_device", lambda: 0)
+    event_errors.append(IpcError("opening the producer's ordering event failed"))
+    with pytest.raises(IpcError, match="ordering event"):
+        vmm.open()
+    arr = vmm.open()  # the retry
+    assert arr.data.ptr == MAPPED_AT and len(given) == 2 and None not in given
+    vmm.close()  # and with it the handle's own descriptors
+    del arr
+    assert vmm._fd is None
+    with pytest.raises(OSError):
+        os.fstat(r)
