@@ -855,7 +855,9 @@ class IpcArrayHandle:
             origin = (f.memory_handle, producer.token, f.base_ptr, f.allocation_size)
         elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
             key = (map_device, f.kind, producer.token, f.buffer_id, f.resource)
-            importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds), _pools.free_imported, 0)
+            pool_key = (producer.token, f.resource)
+            importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds),
+                        lambda ptr: _pools.free_imported(ptr, pool_key), 0)
         else:
             key = (map_device, f.kind, producer.token, f.resource, f.allocation_size)
             pieces = _vmm.pieces_of(f)

@@ -150,18 +150,21 @@ def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
     fd = given[0] if given else take_fd(pid, fd_number)
     for extra in (given or ())[1:]:
         os.close(extra)
-    err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _cuda.posix_fd(), 0)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        os.close(fd)
-        _cuda.check("importing the producer's memory pool", err)
     with _lock:
-        _live_change(key, 1)
         hit = _imports.get(key)
         if hit is None:
+            # Imported and entered under one hold of the lock that release_exited destroys under: the driver
+            # gives every import of a pool one handle, which must not be destroyed for another key meanwhile.
+            err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _cuda.posix_fd(), 0)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                os.close(fd)
+                _cuda.check("importing the producer's memory pool", err)
             # Kept open: a handle sent on from here carries it (SCM_RIGHTS).
-            _imports[key] = (pool, fd, pid)
-            return pool
-    os.close(fd)  # another thread imported the pool meanwhile: its descriptor is the one kept
+            hit = _imports[key] = (pool, fd, pid)
+            fd = -1
+        _live_change(key, 1)
+    if fd >= 0:
+        os.close(fd)  # another thread imported the pool meanwhile: its descriptor is the one kept
     return hit[0]
 
 
@@ -177,25 +180,31 @@ def release_exited() -> int:
             _segment.attach(key[0], hit[2])  # by the producer's segment, which a reused pid cannot fool
         except ProducerExitedError:
             exited.append((key, hit))
-    gone, destroy = [], []
+    gone: list[int] = []
+    ended = 0
     with _lock:
         for key, hit in exited:
             if key in _live or _imports.get(key) is not hit:  # a pointer was imported meanwhile
                 continue
             del _imports[key]
+            ended += 1
             pool = int(hit[0])
-            if _exports.get(pool, (None,))[0] == hit[1]:  # sent on from here, under an id of ours
-                del _exports[pool]
-            gone.append(hit[1])
+            own = _exports.get(pool)  # sent on from here, under an id of ours, with one key's descriptor
             # The driver imports a pool once per process: the same pool sent by two processes (its producer
             # and one sending its allocations on) is one handle under two keys, destroyed for both at once.
-            if not any(int(other[0]) == pool for other in _imports.values()):
-                _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
-                destroy.append(hit[0])
-    _fdserver.retire(gone)  # (they may have been sent on)
-    for pool in destroy:
-        _driver().cuMemPoolDestroy(pool)
-    return len(gone)
+            if any(int(other[0]) == pool for other in _imports.values()):
+                if own is None or own[0] != hit[1]:  # else it still serves what was sent on: closed with the pool
+                    gone.append(hit[1])
+                continue
+            gone.append(hit[1])
+            if own is not None:
+                del _exports[pool]
+                if own[0] != hit[1]:  # a key gone before, whose descriptor was kept for what was sent on
+                    gone.append(own[0])
+            _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
+            _driver().cuMemPoolDestroy(hit[0])  # under the lock that imports take (see _imported_pool)
+    _fdserver.retire(gone)  # outside _lock, which the descriptor server's check takes
+    return ended
 
 
 def _give_access(pool: Any, device: int, home: int) -> None:
@@ -234,13 +243,15 @@ def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tup
     return int(ptr)
 
 
-def free_imported(ptr: int) -> None:
+def free_imported(ptr: int, key: tuple[bytes, int] | None = None) -> None:
     """Unmap an imported pool allocation (the producer may free it once every importer has), once the last
-    mapping holding its pointer lets it go."""
+    mapping holding its pointer lets it go; ``key``: the pool's that mapping imported it from."""
     with _lock:
         keys = _pointer_pool.get(ptr)
         if keys is not None and len(keys) > 1:  # another mapping still holds the pointer
-            _live_change(keys.pop(), -1)
+            mine = key if key in keys else keys[-1]
+            keys.remove(mine)
+            _live_change(mine, -1)
             return
     (err,) = _driver().cuMemFree(ptr)
     _cuda.check("freeing the imported pool allocation", err)
