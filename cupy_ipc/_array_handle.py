@@ -640,8 +640,12 @@ class IpcArrayHandle:
         if f.kind not in Kind.BY_DESCRIPTOR:
             return []
         if f.producer.token == this_process().token:
-            if f.kind == Kind.VMM:  # our own descriptors, open while the export lives
-                return self._producer_numbers()
+            if f.kind == Kind.VMM:  # our own descriptors, open while the memory is mapped
+                numbers = self._producer_numbers()
+                if _vmm.exported_run(numbers, f.resource) is None:
+                    raise IpcError("this handle's memory has been freed (its descriptors are closed): there is "
+                                   "nothing to send")
+                return numbers
             fd = _pools.producer_fd(f.resource)
             return [] if fd is None else [fd]
         if f.kind == Kind.POOL and (fd := _pools.received_fd(f.producer.token, f.resource)) is not None:

@@ -177,11 +177,19 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
     """
     if sock.family != socket.AF_UNIX:
         raise IpcError(f"send_handle needs an AF_UNIX socket, not {sock.family!r}")
+    from . import _fdserver  # (which imports this module)
+
     data = handle.to_bytes()
-    fds = handle._descriptors() if hasattr(handle, "_descriptors") else []
-    socket.send_fds(sock, [_HEAD.pack(len(data), len(fds)), data], fds[:_FDS_PER_MESSAGE])
-    for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # the kernel passes at most 253 per message
-        socket.send_fds(sock, [b"+"], fds[k:k + _FDS_PER_MESSAGE])
+    # Copies, taken where the descriptors are checked: the memory may be freed, and a number closed and
+    # reused, while the socket waits for its reader.
+    fds = _fdserver.copies(handle._descriptors) if hasattr(handle, "_descriptors") else []
+    try:
+        socket.send_fds(sock, [_HEAD.pack(len(data), len(fds)), data], fds[:_FDS_PER_MESSAGE])
+        for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # the kernel passes at most 253 per message
+            socket.send_fds(sock, [b"+"], fds[k:k + _FDS_PER_MESSAGE])
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def recv_handle(sock: socket.socket) -> Any:

@@ -198,6 +198,23 @@ def retire(fds: list[int]) -> None:
             close_quietly(fd)
 
 
+def copies(numbers: Callable[[], list[int]]) -> list[int]:
+    """Copies of the descriptors that ``numbers()`` names, looked up and copied under the lock that
+    :func:`retire` closes under, so that none is closed, and its number given to another file, in between.
+    The caller closes them."""
+    with _sending:
+        out: list[int] = []
+        try:
+            for fd in numbers():
+                out.append(os.dup(fd))
+        except OSError as e:
+            for fd in out:
+                close_quietly(fd)
+            raise IpcError(f"could not copy the memory's descriptors to send them: {os.strerror(e.errno or 0)}") \
+                from e
+    return out
+
+
 def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
     with _lock:
         hit = _connections.get(name)

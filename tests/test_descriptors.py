@@ -119,6 +119,65 @@ def test_many_descriptors_cross_in_several_messages():
             os.close(fd)
 
 
+def test_a_handle_of_our_virtual_memory_freed_since_is_not_sent(monkeypatch):
+    # Freeing the memory closes its export's descriptor; a later file may take the number. Sending the
+    # handle then must not pass that file on: the numbers are checked against the exports, and copied, under
+    # the lock that closes them.
+    from cupy_ipc import _vmm
+    from cupy_ipc._identity import this_process
+
+    r, w = os.pipe()
+
+    class Driver:
+        class CUresult:
+            CUDA_SUCCESS = 0
+
+        class CUmemAllocationHandleType:
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+        def cuMemRetainAllocationHandle(self, base):  # noqa: N802 - the driver's names
+            return 0, 0x77
+
+        def cuMemRelease(self, handle):  # noqa: N802
+            return (0,)
+
+        def cuMemGetAllocationPropertiesFromHandle(self, handle):  # noqa: N802
+            return 0, type("Prop", (), {"requestedHandleTypes": 1})()
+
+        def cuMemExportToShareableHandle(self, handle, kind, flags):  # noqa: N802
+            return 0, os.dup(r)
+
+    monkeypatch.setattr(_vmm._cuda, "_driver", lambda: Driver())
+    monkeypatch.setattr(_vmm, "_unmap", lambda ptr, sizes, total: [0])
+    base = 0x7F0000000000
+    fd, alloc_id = _vmm.export(base, 5)
+    me = this_process()
+    h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=4096, shape=(1024,), strides=(4,),
+                       dtype="float32", device=(0, bytes(16)), producer=(me.pid, me.token, me.boot_id, me.host),
+                       kind=Kind.VMM, fd=fd, resource=alloc_id)
+    a, b = socket.socketpair()
+    with a, b:
+        cupy_ipc.send_handle(a, h)  # exported: sent, as a copy of the descriptor
+        got = cupy_ipc.recv_handle(b)
+        (sent,) = got._take_fds()
+        assert os.path.samestat(os.fstat(sent), os.fstat(r))
+        os.close(sent)
+        del got
+        _vmm.unmap(base, [4096])  # the array freed: the export's descriptor is closed
+        other = _memfd(b"unrelated")  # the lowest free number: the one just closed
+        try:
+            assert other == fd
+            with pytest.raises(IpcError, match="has been freed"):
+                cupy_ipc.send_handle(a, h)
+            b.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                b.recv(1)  # nothing was sent
+        finally:
+            os.close(other)
+    os.close(r)
+    os.close(w)
+
+
 def test_send_handle_refuses_other_sockets_and_recv_reports_a_closed_peer():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         with pytest.raises(IpcError, match="AF_UNIX"):
