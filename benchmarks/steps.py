@@ -51,7 +51,7 @@ CONSUMER = ("_array_handle.unpack_array", "_array_handle.check_same_host", "_cud
             "_array_handle._default_device", "_array_handle._open_common", "_cuda.can_access_peer",
             "_segment.attach", "_mapping.acquire", "_mapping._claim", "_mapping._map", "_mapping._import",
             "_mapping._checked", "_array_handle.open_cached", "_events.IpcEvent.query", "_events.IpcEvent.wait_from",
-            "_mapping._release", "_cuda.stream_idle", "_mapping._finish", "_mapping._retire",
+            "_mapping.opened", "_mapping._release", "_cuda.stream_idle", "_mapping._finish", "_mapping._retire",
             "_mapping._Mapping.unmap", "_mapping._unclaim", "_mapping._trim_idle", "_pools.import_pointer",
             "_pools.free_imported")
 # get_ipc_handle's options by method (None: raw runtime calls or torch's pickling); "pool": arrays of a
