@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _cuda, _fdserver, _fork, _keepalive, _mapping, _pools, _segment, _vmm
 from ._args import checked_count, checked_lease
-from ._descriptors import close_quietly
+from ._descriptors import close_all, dup_all
 from ._errors import HandleError, IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
@@ -99,11 +99,16 @@ def _default_device(home: int, current: int) -> int:
     return current
 
 
+def _producer_numbers(f: ArrayFields) -> list[int]:
+    """The numbers, in the producer, of the descriptors behind handle fields ``f``: the pool's, or each piece's."""
+    return [f.fd, *(fd for fd, _ in f.more)]
+
+
 def _check_still_allocated(base: int, buffer_id: int, f: ArrayFields) -> None:
     """That our allocation at ``base`` is still the one exported, and holds all that handle ``f`` claims."""
     if f.kind == Kind.VMM:
         # Virtual memory: the run of pieces exported under the handle's id, each still where it was exported.
-        run = _vmm.exported_run([f.fd, *(fd for fd, _ in f.more)], f.resource)
+        run = _vmm.exported_run(_producer_numbers(f), f.resource)
         if run is None or run[0] != (base, buffer_id):
             raise HandleError("the handle names virtual memory that this process does not export under its "
                               "descriptors and id: it is forged or corrupt")
@@ -518,11 +523,6 @@ def _open_common(f: ArrayFields, last_try: bool = False) -> Any:
     return arr
 
 
-def _close_all(fds: Iterable[int]) -> None:
-    for fd in fds:
-        close_quietly(fd)
-
-
 class IpcArrayHandle:
     """An immutable, picklable value naming a GPU array of some process.
 
@@ -616,23 +616,11 @@ class IpcArrayHandle:
         Copies: the handle keeps its own until it is closed, so that an open that fails may be retried
         without ``pidfd_getfd``, which ptrace rules may refuse where a socket was the way in."""
         if self._fd is not None:
-            copies: list[int] = []
-            try:
-                for fd in self._fd:
-                    copies.append(os.dup(fd))
-            except OSError as e:
-                _close_all(copies)
-                raise IpcError(f"could not copy the memory's descriptors: {os.strerror(e.errno or 0)}") from e
-            return tuple(copies)
+            return tuple(dup_all(self._fd))
         if self._server is not None:
-            return tuple(_fdserver.fetch(self._server, self._f.producer.pid, self._producer_numbers(),
+            return tuple(_fdserver.fetch(self._server, self._f.producer.pid, _producer_numbers(self._f),
                                          self._f.resource))
         return None
-
-    def _producer_numbers(self) -> list[int]:
-        """The numbers, in the producer, of the descriptors behind this handle: the pool's, or each piece's."""
-        f = self._f
-        return [f.fd, *(fd for fd, _ in f.more)]
 
     def _descriptors(self) -> list[int]:
         """The descriptors to send with this handle: this process's own of the memory's pool or pieces, if any."""
@@ -641,7 +629,7 @@ class IpcArrayHandle:
             return []
         if f.producer.token == this_process().token:
             if f.kind == Kind.VMM:  # our own descriptors, open while the memory is mapped
-                numbers = self._producer_numbers()
+                numbers = _producer_numbers(f)
                 if _vmm.exported_run(numbers, f.resource) is None:
                     raise IpcError("this handle's memory has been freed (its descriptors are closed): there is "
                                    "nothing to send")
@@ -653,7 +641,7 @@ class IpcArrayHandle:
         return list(self._fd or ())
 
     def _close_fds(self) -> None:
-        _close_all(getattr(self, "_fd", None) or ())
+        close_all(getattr(self, "_fd", None) or ())
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None):

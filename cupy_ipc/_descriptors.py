@@ -18,12 +18,12 @@ import errno
 import os
 import socket
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 from ._errors import IpcError, ProducerExitedError
 
-__all__ = ["allow_ptrace_from_any", "close_quietly", "ptrace_scope", "recv_fds", "recv_handle", "send_handle",
-           "take_fd"]
+__all__ = ["allow_ptrace_from_any", "close_all", "close_quietly", "dup_all", "ptrace_scope", "recv_fds", "recv_handle",
+           "send_handle", "take_fd"]
 
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture Linux has
 _PR_SET_PTRACER = 0x59616D61
@@ -39,6 +39,24 @@ def close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def close_all(fds: Iterable[int]) -> None:
+    """:func:`close_quietly` each of ``fds``."""
+    for fd in fds:
+        close_quietly(fd)
+
+
+def dup_all(fds: Iterable[int]) -> list[int]:
+    """A copy (``dup``) of each of ``fds``, the caller's to close; all or none (:class:`IpcError`)."""
+    copies: list[int] = []
+    try:
+        for fd in fds:
+            copies.append(os.dup(fd))
+    except OSError as e:
+        close_all(copies)
+        raise IpcError(f"could not copy the memory's descriptors: {os.strerror(e.errno or 0)}") from e
+    return copies
 
 
 def _libc() -> Any:
@@ -188,8 +206,7 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
         for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # the kernel passes at most 253 per message
             socket.send_fds(sock, [b"+"], fds[k:k + _FDS_PER_MESSAGE])
     finally:
-        for fd in fds:
-            os.close(fd)
+        close_all(fds)
 
 
 def recv_handle(sock: socket.socket) -> Any:

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Callable
 
-from ._descriptors import close_quietly, recv_fds
+from ._descriptors import close_all, dup_all, recv_fds
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 from ._identity import this_process
 
@@ -194,8 +194,7 @@ def retire(fds: list[int]) -> None:
     """Close descriptors this process exports (that :func:`serve`'s check may have let go), never between a
     request's check and its send. Call it holding none of the locks that the check takes."""
     with _sending:
-        for fd in fds:
-            close_quietly(fd)
+        close_all(fds)
 
 
 def copies(numbers: Callable[[], list[int]]) -> list[int]:
@@ -203,16 +202,7 @@ def copies(numbers: Callable[[], list[int]]) -> list[int]:
     :func:`retire` closes under, so that none is closed, and its number given to another file, in between.
     The caller closes them."""
     with _sending:
-        out: list[int] = []
-        try:
-            for fd in numbers():
-                out.append(os.dup(fd))
-        except OSError as e:
-            for fd in out:
-                close_quietly(fd)
-            raise IpcError(f"could not copy the memory's descriptors to send them: {os.strerror(e.errno or 0)}") \
-                from e
-    return out
+        return dup_all(numbers())
 
 
 def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
