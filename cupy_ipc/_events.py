@@ -82,7 +82,7 @@ class IpcEvent:
     @property
     def ptr(self) -> int:
         """The raw ``cudaEvent_t``, for ``cupy.cuda.Stream.wait_event``."""
-        _fork.check()  # the parent's event: no use in a child forked from it
+        _fork.check()  # the parent's event: no use in a child forked from it (every method comes through here)
         if not self._finalizer.alive:
             raise ClosedError("this IpcEvent is closed")
         return self._ptr
@@ -107,9 +107,8 @@ class IpcEvent:
 
     def record(self, stream: Any = None) -> None:
         """Record the event on ``stream`` (default: the current stream)."""
-        _fork.check()
-        runtime = _cuda.rt()
-        _cuda.call("recording an event", runtime.eventRecord, self.ptr, _cuda.stream_ptr(stream))
+        ptr = self.ptr  # first: it checks for a fork
+        _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, _cuda.stream_ptr(stream))
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for the event on the GPU; the host does not block.
@@ -124,9 +123,8 @@ class IpcEvent:
 
     def wait_from(self, stream_ptr: int, stream_device: int) -> None:
         """:meth:`wait` for a raw stream of a known GPU (``0``: that GPU's default stream)."""
-        _fork.check()
+        ptr = self.ptr  # first: it checks for a fork
         runtime = _cuda.rt()
-        ptr = self.ptr
         if self._opened and stream_device != self._device:
             _cuda.call("synchronizing an event", runtime.eventSynchronize, ptr)
             return
@@ -135,20 +133,17 @@ class IpcEvent:
 
     def synchronize(self) -> None:
         """Block the host until the work captured by the last record has finished."""
-        _fork.check()
-        runtime = _cuda.rt()
-        _cuda.call("synchronizing an event", runtime.eventSynchronize, self.ptr)
+        ptr = self.ptr  # first: it checks for a fork
+        _cuda.call("synchronizing an event", _cuda.rt().eventSynchronize, ptr)
 
     def query(self) -> bool:
         """True when the work captured by the last record has finished."""
-        _fork.check()
-        runtime = _cuda.rt()
-        return _cuda.call("querying an event", runtime.eventQuery, self.ptr) == 0
+        ptr = self.ptr  # first: it checks for a fork
+        return _cuda.call("querying an event", _cuda.rt().eventQuery, ptr) == 0
 
     def get_ipc_handle(self) -> "IpcEventHandle":
         """The handle another process opens this event with."""
-        _fork.check()  # also when the handle was made before the fork, so that the answer is the same either way
-        ptr = self.ptr
+        ptr = self.ptr  # (which checks for a fork, also when the handle was made before it)
         if self._handle is None:
             self._handle = export_event(ptr, self._device, self._block)
             _own[self._handle.event_handle] = self

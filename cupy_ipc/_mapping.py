@@ -582,9 +582,8 @@ def abandon(lease: Lease, count: bool = False) -> None:
         return
     lease.mapping_key = None
     try:
-        if count and lease.claim_key is not None:
-            with _lock:
-                _count(lease.claim_key)
+        if count:
+            opened(lease)
     finally:
         # Not a release: the mapping is unmapped, not kept idle as a buffer sent again.
         _finish(key, lease.claim_key, released=False)
