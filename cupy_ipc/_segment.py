@@ -224,17 +224,6 @@ class Segment:
         _U32.pack_into(self.mm, _DATA_START + slot * _RECORD.size + 12, state)  # type: ignore[arg-type]
 
     # --- the protocol --------------------------------------------------------
-    def claim(self, slot: int, export_id: int) -> bool:
-        """Consumer: :meth:`hold` and :meth:`count_open` in one, for an open that cannot fail in between."""
-        if not self.hold(slot, export_id):
-            return False
-        try:
-            self.count_open(slot)
-        except BaseException:
-            self.unlock(in_use(slot))
-            raise
-        return True
-
     def hold(self, slot: int, export_id: int) -> bool:
         """Consumer: hold ``slot``'s in-use lock if the slot still shares ``export_id``; False, holding nothing,
         if not. One lock call.

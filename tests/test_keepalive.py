@@ -14,6 +14,7 @@ import time
 import weakref
 
 import pytest
+from test_segment import claim
 
 from cupy_ipc import _keepalive, _segment
 from cupy_ipc._identity import this_process
@@ -59,7 +60,7 @@ def test_a_lease_runs_out_though_the_producer_never_exports_again():
     try:
         consumer = Segment.attach(this_process().token, pid=os.getpid())  # a consumer's own open file
         assert _eventually(lambda: _revoked(slot))
-        assert not consumer.claim(slot, export_id)  # refused, holding nothing
+        assert not claim(consumer, slot, export_id)  # refused, holding nothing
         consumer.close()
     finally:
         _keepalive.release(export_id)
@@ -70,7 +71,7 @@ def test_a_lease_not_yet_run_out_still_admits_its_consumer():
     export_id, slot = _leased_pin(60.0)
     consumer = Segment.attach(this_process().token, pid=os.getpid())
     try:
-        assert consumer.claim(slot, export_id)
+        assert claim(consumer, slot, export_id)
         consumer.unlock(_segment.in_use(slot))
     finally:
         consumer.close()

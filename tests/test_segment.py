@@ -33,6 +33,15 @@ START_TIMEOUT = 60  # a spawned child imports cupy_ipc and numpy first
 JOIN_TIMEOUT = 30
 
 
+def claim(seg: Segment, slot: int, export_id: int) -> bool:
+    """A consumer's open that succeeds, on ``seg``: hold the slot's in-use lock, then count the open; False,
+    holding nothing, if the slot no longer shares ``export_id``."""
+    if not seg.hold(slot, export_id):
+        return False
+    seg.count_open(slot)
+    return True
+
+
 # --- workers (module level, so that spawn can import them) ------------------------------------
 def _idle_until_orphaned(limit=120.0):
     # Never outlive the test run: stop when the parent is gone or after ``limit`` seconds.
@@ -65,7 +74,7 @@ def _claim_in_turns(token, parent_pid, slot, export_id, times, go, ready):
     ready.set()
     go.wait(START_TIMEOUT)
     for _ in range(times):
-        assert seg.claim(slot, export_id)
+        assert claim(seg, slot, export_id)
         seg.unlock(in_use(slot))
     seg.close()
 
@@ -330,18 +339,18 @@ def test_a_held_claim_keeps_the_slot_and_a_free_slot_refuses_claims(token, consu
     consumer = Segment.attach(token, pid=os.getpid())  # another open file: its locks are separate
     try:
         producer.write(4, 77, PINNED | consumers_flag)
-        assert consumer.claim(4, 77)
+        assert claim(consumer, 4, 77)
         assert producer.opens(4) == 1
         assert consumer.held_by_other(ALIVE) and producer.held_by_other(in_use(4))
         assert not producer.try_free(4)  # held: marked, not freed
         assert producer.read(4) == (77, 1, REVOKED)
         late = Segment.attach(token, pid=os.getpid())
-        assert not late.claim(4, 77)  # a late consumer is refused
+        assert not claim(late, 4, 77)  # a late consumer is refused
         late.close()
         consumer.unlock(in_use(4))
         assert producer.try_free(4)
         assert producer.read(4) == (0, 0, FREE)
-        assert not consumer.claim(4, 77)
+        assert not claim(consumer, 4, 77)
         assert not producer.held_by_other(in_use(4))  # a refused claim holds nothing
     finally:
         consumer.close()
@@ -378,8 +387,8 @@ def test_a_claim_names_its_export(token):
     consumer = Segment.attach(token, pid=os.getpid())
     try:
         producer.write(0, 5, PINNED | ONE_CONSUMER)
-        assert not consumer.claim(0, 4)
-        assert not consumer.claim(1, 5)  # a slot never written
+        assert not claim(consumer, 0, 4)
+        assert not claim(consumer, 1, 5)  # a slot never written
         assert not producer.held_by_other(in_use(0))
         assert producer.try_free(0)
     finally:
@@ -425,10 +434,10 @@ def test_only_an_export_for_several_consumers_counts_under_the_mutex(token, cons
     first, second, holder = (Segment.attach(token, pid=os.getpid()) for _ in range(3))
     try:
         producer.write(6, 3, PINNED | consumers_flag)
-        assert first.claim(6, 3)
+        assert claim(first, 6, 3)
         assert holder.lock(mutex(6), WRITE, wait=False)
         done = threading.Event()
-        t = threading.Thread(target=lambda: done.set() if second.claim(6, 3) else None, daemon=True)
+        t = threading.Thread(target=lambda: done.set() if claim(second, 6, 3) else None, daemon=True)
         t.start()
         if consumers_flag:
             assert done.wait(5)
