@@ -279,19 +279,21 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
         raise HandleError(f"negative extent in shape {shape}")
     if f.kind not in Kind.BY_DESCRIPTOR and (f.fd != -1 or f.resource or f.more):
         raise HandleError(f"{Kind.names[f.kind]} handles carry no descriptor, resource id or pieces")
+    itemsize = f.dtype.itemsize
+    # Strides of 0 (a broadcast) reach few bytes, but every element counts; and, as NumPy bounds them, the
+    # extents of an empty array other than its 0 (CuPy would compute its strides from them).
+    count = math.prod(n for n in shape if n)
+    if count * itemsize > MAX_BYTES:
+        raise HandleError(
+            f"shape {shape} has {count} elements of {itemsize} bytes (its extents other than 0), "
+            f"{count * itemsize} in all: more than the {MAX_BYTES} (2**63 - 1) bytes an array can hold"
+        )
     if f.kind == Kind.EMPTY:
         if 0 not in shape:
             raise HandleError(f"an empty handle must have a size-0 shape, not {shape}")
         return None
     if 0 in shape:
         raise HandleError(f"shape {shape} has no elements, so the handle kind must be empty")
-    itemsize = f.dtype.itemsize
-    count = math.prod(shape)
-    if count * itemsize > MAX_BYTES:  # strides of 0 (a broadcast) reach few bytes, but every element counts
-        raise HandleError(
-            f"shape {shape} has {count} elements of {itemsize} bytes, {count * itemsize} in all: more than the "
-            f"{MAX_BYTES} (2**63 - 1) bytes an array can hold"
-        )
     if f.kind in Kind.BY_DESCRIPTOR and (f.fd < 0 or f.resource == 0):
         raise HandleError(f"a {Kind.names[f.kind]} handle needs the producer's descriptor and resource id")
     if f.more:

@@ -431,6 +431,16 @@ def test_more_elements_than_an_array_can_hold(shape, strides, dtype):
     rejected(TOO_MANY, IpcArrayHandle.from_bytes, data)
 
 
+@pytest.mark.parametrize("shape", [(0, 2**62, 2**62), (2**62, 0, 2), (0, 2**63 - 1, 2)])
+def test_an_empty_shape_is_bounded_by_its_other_extents(shape):
+    # As NumPy does: CuPy would compute the strides of such an empty array from those extents, past 2**63.
+    rejected(TOO_MANY, make, shape, (0,) * len(shape), "int8", kind=Kind.EMPTY)
+    data = with_dims(patched(VALID, ARRAY_FIELDS, kind=Kind.EMPTY, dtype=b"|i1"), shape, (0,) * len(shape))
+    rejected(TOO_MANY, IpcArrayHandle.from_bytes, data)
+    fitting = make((0, 2**63 - 1), (0, 0), "int8", kind=Kind.EMPTY)  # what NumPy allows: np.empty((0, 2**63 - 1))
+    assert IpcArrayHandle.from_bytes(fitting.to_bytes()) == fitting
+
+
 def test_element_count_boundary_is_exact():
     h = make((2**63 - 1,), (0,), "int8", 0, 1)  # 2**63 - 1 bytes in all: the most there may be
     assert IpcArrayHandle.from_bytes(h.to_bytes()) == h
