@@ -350,8 +350,9 @@ atexit.register(_close_connections)
 def forget() -> None:
     """After fork: the parent's server and connections are not this process's (a server restarts on demand).
     Closing our copies leaves the parent's open."""
-    global _lock, _server
-    _lock = threading.Lock()  # another thread may have held it at the fork
+    global _lock, _sending, _server
+    _lock = threading.Lock()  # another thread may have held them at the fork
+    _sending = threading.Lock()
     _close_connections()
     for conn in list(_accepted):  # or a consumer of the parent would wait on us after the parent died
         conn.close()

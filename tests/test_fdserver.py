@@ -280,6 +280,36 @@ def test_a_forked_child_serves_under_its_own_name():
     assert child_name != name and serve(lambda *_: False) == name
 
 
+def test_a_child_forked_while_a_thread_sends_descriptors_can_close_its_own():
+    # The lock held while descriptors are sent or closed: held by another thread at the fork, it would stay
+    # held in the child for good.
+    from cupy_ipc import _fdserver
+
+    held, release = threading.Event(), threading.Event()
+
+    def sender():
+        with _fdserver._sending:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=sender)
+    t.start()
+    held.wait(30)
+    r, w = os.pipe()
+    try:
+        def child():
+            signal.alarm(10)  # a child that blocks is killed, and its line is empty
+            extra = os.dup(r)
+            _fdserver.retire([extra])
+            return "closed"
+
+        line = _child_line(child, r, w)
+    finally:
+        release.set()
+        t.join(30)
+    assert line == "closed"
+
+
 def test_a_forked_child_hands_out_none_of_its_parents_exported_descriptors():
     # The parent's export tables name descriptors the child must not serve: it forgets them at fork.
     from cupy_ipc import _vmm
