@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Iterable, NamedTuple
@@ -43,10 +45,16 @@ _NO_HANDLE = bytes(64)
 # Memory handles by the driver's buffer id, which is never reused in a process,
 # so a new array in an allocation exported before skips cudaIpcGetMemHandle;
 # and the other way, so that a handle of ours sent back to us by another
-# process opens our own memory (CUDA refuses to import it in its own process).
+# process opens our own memory (CUDA refuses to import it in its own process,
+# and a pool would import as ours, to be freed and destroyed as another's).
+# An allocation still here is never forgotten: past _HANDLE_CACHE_SIZE, each
+# new entry looks at the two oldest, dropping them if their allocation is gone
+# and sending them to the back of the line if not, so the table holds at most
+# about twice the allocations that are alive.
 _handle_cache: dict[int, bytes] = {}
-_exported: dict[bytes, tuple[int, int]] = {}  # memory handle -> (base, buffer id)
+_exported: "collections.OrderedDict[bytes, tuple[int, int]]" = collections.OrderedDict()  # -> (base, buffer id)
 _HANDLE_CACHE_SIZE = 4096
+_exported_lock = threading.Lock()
 
 
 def _memory_handle(base: int, buffer_id: int) -> bytes:
@@ -54,24 +62,35 @@ def _memory_handle(base: int, buffer_id: int) -> bytes:
     if raw is None:
         runtime = _cuda.rt()
         raw = bytes(_cuda.call("exporting the allocation", runtime.ipcGetMemHandle, base))
-        _remember_export(raw, base, buffer_id)  # (which may empty the caches first)
+        _remember_export(raw, base, buffer_id)
         _handle_cache[buffer_id] = raw
     return raw
 
 
 def _remember_export(handle: bytes, base: int, buffer_id: int) -> None:
     """Note that ``handle`` (a memory handle or pool export data) names our allocation at ``base``."""
-    if len(_exported) >= _HANDLE_CACHE_SIZE or len(_handle_cache) >= _HANDLE_CACHE_SIZE:
-        _forget_exports()
-    _exported[handle] = (base, buffer_id)
+    with _exported_lock:  # exports run on several threads (a queue pickles on its feeder's)
+        if len(_exported) >= _HANDLE_CACHE_SIZE:
+            for _ in range(2):
+                old, (old_base, old_id) = next(iter(_exported.items()))
+                if _still_here(old_base, old_id):
+                    _exported.move_to_end(old)
+                else:
+                    del _exported[old]
+                    _handle_cache.pop(old_id, None)
+        prior = _exported.get(handle)
+        if prior is not None and prior[1] != buffer_id:  # the same bytes for a later allocation at one address
+            _handle_cache.pop(prior[1], None)
+        _exported[handle] = (base, buffer_id)
 
 
-def _forget_exports() -> None:
-    """Empty the export caches together: a handle that skips :func:`_memory_handle` (cached with its array,
-    or its buffer's) must still be known as ours when another process sends it back."""
-    _handle_cache.clear()
-    _exported.clear()
-    _by_array.clear()
+def _still_here(base: int, buffer_id: int) -> bool:
+    """Whether our allocation ``buffer_id`` at ``base`` has not been freed."""
+    try:
+        info = _cuda.pointer_info(base)
+    except IpcError:
+        return False
+    return info.base == base and info.buffer_id == buffer_id
 
 
 _warned_across: set[tuple[int, int]] = set()
@@ -471,6 +490,8 @@ def open_info(array: Any) -> OpenInfo | None:
 
 
 def _forget_after_fork() -> None:
+    global _exported_lock
+    _exported_lock = threading.Lock()  # another thread may have held it at the fork
     _by_array.clear()  # the templates and layouts carry the parent's identity
     _layouts.clear()
     _opened_unmapped.clear()
@@ -829,8 +850,8 @@ class IpcArrayHandle:
             keep = pin[0] if pin is not None else None
             if keep is None:
                 _check_still_allocated(own_ptr, buffer_id, f)
-        elif f.memory_handle in _exported:  # our memory, sent back to us by another process
-            own_ptr, buffer_id = _exported[f.memory_handle]
+        elif (ours := _exported.get(f.memory_handle)) is not None:  # our memory, sent back by another process
+            own_ptr, buffer_id = ours
             _check_still_allocated(own_ptr, buffer_id, f)
         if own_ptr is not None and map_device != home:
             _cuda.enable_peer_access(map_device, home)  # CUDA IPC would have done it for an import

@@ -250,6 +250,46 @@ def test_forged_handle_of_our_own_memory_is_refused(pinned, sender, kind):
     real.release()
 
 
+@pytest.mark.parametrize("kind", ["legacy", "pool"])
+def test_our_memory_sent_back_after_many_other_exports_opens_as_ours(remote, monkeypatch, kind):
+    # The table that tells our handles from others' turns over past its size: it must keep every allocation
+    # still here, or our memory sent back by a relay is imported as another's (CUDA refuses a legacy handle
+    # in its own process; a pool would be imported into its own process, then freed and destroyed as another's).
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _array_handle
+
+    monkeypatch.setattr(_array_handle, "_HANDLE_CACHE_SIZE", 4)
+    allocator = cupy_ipc.ShareableMemoryPool().malloc if kind == "pool" else cupy.get_default_memory_pool().malloc
+    relay = remote()
+    with cupy.cuda.using_allocator(allocator):
+        a = cupy.arange(1 << 16, dtype=cupy.float32)
+        relayed = relay.call("hold_and_send_on", cupy_ipc.get_ipc_handle(a).to_bytes(), "a")
+        kept = []
+        for i in range(12):  # other allocations exported, every other one freed
+            x = cupy.full((1 << 16) + 256 * (i + 1), i, dtype=cupy.float32)
+            cupy_ipc.get_ipc_handle(x, keepalive=False, sync=False)
+            if i % 2:
+                kept.append(x)
+            del x
+            cupy.get_default_memory_pool().free_all_blocks()
+    if kind == "legacy":
+        assert len(_array_handle._exported) < 13  # the freed ones went
+    h = cupy_ipc.IpcArrayHandle.from_bytes(relayed)
+    assert h.kind == kind
+    with h as back:
+        assert back.data.ptr == a.data.ptr  # our own memory, not an import of it
+        back[0] = 7
+    del back
+    assert float(a[0]) == 7 and float(a[1]) == 1
+    relay.call("drop", "a")
+    with cupy.cuda.using_allocator(allocator):  # the pool still allocates and exports
+        b = cupy.ones(16, dtype=cupy.float32)
+        assert float(relay.call("read", cupy_ipc.get_ipc_handle(b).to_bytes()).sum()) == 16
+    assert all(float(x[0]) == i for x, i in zip(kept, range(1, 12, 2)))
+
+
 def test_an_array_reshaped_in_place_is_exported_with_its_new_shape(consumer):
     import cupy
 
