@@ -26,9 +26,9 @@ producer killed with SIGKILL is seen as gone at once.
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import mmap
+import multiprocessing.util
 import os
 import struct
 import tempfile
@@ -45,6 +45,7 @@ STATE = 0xFF  # the state's bits of a record's state field
 ONE_CONSUMER = 0x100  # with PINNED: the export admits one consumer
 
 _RECORD = struct.Struct("<QII")
+MAX_OPENS = 0xFFFFFFFF  # a record's count of opens is a u32: an export admits at most as many consumers
 _U32 = struct.Struct("<I")
 _DATA_START = 64
 _INITIAL_SLOTS = 1024
@@ -100,11 +101,20 @@ class Segment:
         if not _OFD:
             raise IpcError("cupy_ipc needs Linux open-file-description locks (F_OFD_SETLK)")
         path = segment_path(token)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise IpcError(f"cannot create the segment {path}: {e.strerror}") from e
         seg = cls(fd, token, path, owner=True)
-        seg.lock(ALIVE, READ)
-        seg._grow(_DATA_START + _INITIAL_SLOTS * _RECORD.size)
-        seg._remap()
+        try:
+            seg.lock(ALIVE, READ)
+            seg._grow(_DATA_START + _INITIAL_SLOTS * _RECORD.size)
+            seg._remap()
+        except BaseException as e:
+            seg.close(unlink=True)  # or every later export would find the file there and fail
+            if isinstance(e, OSError):
+                raise IpcError(f"cannot set up the segment {path}: {e.strerror}") from e
+            raise
         return seg
 
     def _grow(self, size: int) -> None:
@@ -146,8 +156,16 @@ class Segment:
             raise ProducerExitedError(
                 f"the producer process (pid {pid}) has exited: its segment {path} is gone", pid=pid
             ) from None
+        except OSError as e:  # too many open files, say
+            raise IpcError(f"cannot open the segment of the producer process (pid {pid}): {e.strerror}") from e
         seg = cls(fd, token, path, owner=False)
-        seg._remap()
+        try:
+            seg._remap()
+        except BaseException as e:
+            seg.close()
+            if isinstance(e, OSError):
+                raise IpcError(f"cannot map the segment of the producer process (pid {pid}): {e.strerror}") from e
+            raise
         return seg
 
     def close(self, *, unlink: bool = False) -> None:
@@ -266,11 +284,13 @@ class Segment:
         mm = self.mm
         _, opens, state = _RECORD.unpack_from(mm, at)  # type: ignore[arg-type]
         if state & ONE_CONSUMER:
-            _U32.pack_into(mm, at + 8, opens + 1)  # type: ignore[arg-type]
+            _U32.pack_into(mm, at + 8, min(opens + 1, MAX_OPENS))  # type: ignore[arg-type]
             return
         self.lock(mutex(slot), WRITE)
         try:
-            self.write_opens(slot, self.opens(slot) + 1)
+            # At most as many as an export may admit (reopens count too): counted on, the count could only
+            # wrap; all it tells then is that every consumer has opened.
+            self.write_opens(slot, min(self.opens(slot) + 1, MAX_OPENS))
         finally:
             self.unlock(mutex(slot))
 
@@ -291,6 +311,7 @@ class Segment:
 _own: Segment | None = None
 _attached: dict[bytes, Segment] = {}
 _create_lock = threading.Lock()
+_making: str | None = None  # the path of this process's segment while it is being created
 _attach_lock = threading.Lock()
 _PRUNE_FROM = 16  # segments attached before those of exited producers are looked for
 _prune_at = _PRUNE_FROM
@@ -301,15 +322,29 @@ def _close_own_at_exit(seg: Segment) -> None:
         seg.close(unlink=True)
 
 
+# Removed at exit, after what multiprocessing does there: it joins this process's children and its queues'
+# feeder threads, which may still open and send arrays meanwhile, and a consumer told then that we exited
+# would be told wrong. Its finalizers run last of its exit work, lowest priority last (a queue's feeder is
+# joined at -5), and also in its children, which end without running atexit's functions.
+_EXIT_PRIORITY = -100
+
+
 def own_segment(token: bytes) -> Segment:
     """This process's segment, created on first use and removed at exit."""
-    global _own
+    global _own, _making
     if _own is None:
         with _create_lock:  # multiprocessing pickles on its own threads
             if _own is None:
-                seg = Segment.create(token)
-                atexit.register(_close_own_at_exit, seg)
-                _own = seg
+                _making = segment_path(token)
+                try:
+                    seg = Segment.create(token)
+                    multiprocessing.util.Finalize(None, _close_own_at_exit, args=(seg,),
+                                                  exitpriority=_EXIT_PRIORITY)
+                    _own = seg
+                finally:
+                    _making = None
+    if _own.fd < 0:
+        raise IpcError("this process is exiting, and no longer shares memory or events")
     return _own
 
 
@@ -381,15 +416,31 @@ def _prune() -> None:
 def _forget_after_fork() -> None:
     # The child shares the parent's open file descriptions: keeping them would
     # make the parent look alive after it died. Closing our copies drops no lock.
-    global _own, _create_lock, _attach_lock, _prune_at
+    global _own, _making, _create_lock, _attach_lock, _prune_at
     _create_lock = threading.Lock()  # another thread may have held one at the fork
     _attach_lock = threading.Lock()
+    if _making is not None:
+        # Another thread was creating our segment: its descriptor, holding the lock of liveness, is not in
+        # the table yet, and kept here it would make the parent look alive after its death.
+        _close_copies_of(_making)
+        _making = None
     for seg in [_own, *_attached.values()]:
         if seg is not None:
             seg.close()  # our copies only; the numbers are never used again
     _own = None
     _attached.clear()
     _prune_at = _PRUNE_FROM
+
+
+def _close_copies_of(path: str) -> None:
+    """Close this process's descriptors of the file at ``path``."""
+    target = os.path.realpath(path)
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == target:
+                os.close(int(name))
+        except OSError:  # closed meanwhile, or the listing's own descriptor
+            pass
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

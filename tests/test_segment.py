@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import multiprocessing
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from cupy_ipc import ProducerExitedError, _segment
+from cupy_ipc import IpcError, ProducerExitedError, _segment
 from cupy_ipc._segment import (
     ALIVE,
     FREE,
@@ -198,10 +201,25 @@ def test_own_segment_is_alive_to_another_opener(token):
 def test_create_refuses_an_existing_segment(token):
     seg = Segment.create(token)
     try:
-        with pytest.raises(FileExistsError):
+        with pytest.raises(IpcError, match="cannot create the segment .*File exists"):
             Segment.create(token)
     finally:
         seg.close(unlink=True)
+
+
+def test_a_segment_that_cannot_be_set_up_leaves_no_file(token, monkeypatch):
+    # Left there, the file made every later export of the process fail: its segment already existed.
+    import errno
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(IpcError, match="No space left on device"):
+        Segment.create(token)
+    assert not os.path.exists(segment_path(token))
+    monkeypatch.undo()
+    Segment.create(token).close(unlink=True)  # /dev/shm has room again: the process exports as before
 
 
 def test_close_is_idempotent(token):
@@ -489,3 +507,131 @@ def test_idle_mappings_of_a_producer_that_has_gone_are_dropped_before_an_import(
         alive.kill()
         alive.join(JOIN_TIMEOUT)
         os.unlink(segment_path(other))
+
+
+_EXITING_PRODUCER = """
+import multiprocessing, multiprocessing.util, os, sys, time  # (its exit function registered first)
+from cupy_ipc import _segment
+from cupy_ipc._identity import this_process
+
+def consumer(token, pid):
+    time.sleep(1.0)  # still at work when the producer's script has ended
+    from cupy_ipc import _segment
+    try:
+        _segment.attach(token, pid)
+        print("producer alive", flush=True)
+    except Exception as e:
+        print(type(e).__name__, e, flush=True)
+
+def child_producer(out):
+    out.put(_segment.own_segment(this_process().token).path)
+
+if __name__ == "__main__":
+    method = sys.argv[1]
+    ctx = multiprocessing.get_context(method)
+    seg = _segment.own_segment(this_process().token)
+    print(seg.path, flush=True)
+    out = ctx.Queue()
+    child = ctx.Process(target=child_producer, args=(out,))
+    child.start()
+    print(out.get(timeout=60), flush=True)
+    child.join(60)
+    ctx.Process(target=consumer, args=(this_process().token, os.getpid())).start()
+    # no join: multiprocessing joins the consumer at exit
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_a_producer_stays_alive_while_it_waits_for_its_children_at_exit(tmp_path, method):
+    # At exit, multiprocessing joins the children (and the queues' feeder threads, which may still send
+    # arrays) only after atexit's later functions: the segment, removed by one of those, told a consumer still
+    # at work that its producer had exited. Its children, which end without atexit's functions, left theirs.
+    script = tmp_path / "producer.py"
+    script.write_text(_EXITING_PRODUCER)
+    r = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    own, child, verdict = r.stdout.split("\n")[:3]
+    assert verdict == "producer alive"
+    assert not os.path.exists(own) and not os.path.exists(child)  # removed at exit all the same
+
+
+def test_an_export_after_the_segment_was_removed_at_exit_is_refused(token, monkeypatch):
+    seg = Segment.create(token)
+    monkeypatch.setattr(_segment, "_own", seg)
+    seg.close(unlink=True)  # as at exit
+    with pytest.raises(IpcError, match="this process is exiting"):
+        _segment.own_segment(token)
+
+
+def test_a_segment_that_cannot_be_opened_for_lack_of_descriptors_raises_ipc_error(token):
+    import resource
+
+    seg = Segment.create(token)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = []
+    gc.collect()  # no earlier test's segment left to close its descriptor while the table is full
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        try:
+            while True:
+                spare.append(os.dup(0))
+        except OSError:
+            pass
+        with pytest.raises(IpcError, match="cannot open the segment .*Too many open files"):
+            Segment.attach(token, pid=os.getpid())
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        seg.close(unlink=True)
+
+
+def test_a_fork_while_the_segment_is_created_leaves_the_child_none_of_it(token, monkeypatch):
+    # The child of a fork made mid-creation kept the new segment's descriptor, whose lock of liveness then
+    # made this process look alive to its consumers after its death, for as long as the child lived.
+    import threading
+
+    monkeypatch.setattr(_segment, "_own", None)
+    slow_grow = Segment._grow
+    started = threading.Event()
+
+    def grow(self, size):
+        started.set()
+        time.sleep(0.5)
+        slow_grow(self, size)
+
+    monkeypatch.setattr(Segment, "_grow", grow)
+    maker = threading.Thread(target=_segment.own_segment, args=(token,))
+    maker.start()
+    started.wait(30)
+    path = segment_path(token)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        held = [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == path]
+        os.write(w, str(len(held)).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    said = os.read(r, 100).decode()
+    os.close(r)
+    maker.join(30)
+    _segment._own.close(unlink=True)
+    assert said == "0"
+
+
+@pytest.mark.parametrize("consumers_flag", [ONE_CONSUMER, 0], ids=["one consumer", "several consumers"])
+def test_the_count_of_opens_stops_at_its_largest_value(token, consumers_flag):
+    # Reopens count too: a count at the top of its u32 raised struct.error on every later open of the export.
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    try:
+        producer.write(2, 9, PINNED | consumers_flag)
+        producer.write_opens(2, _segment.MAX_OPENS)
+        assert consumer.hold(2, 9)
+        consumer.count_open(2)
+        assert producer.opens(2) == _segment.MAX_OPENS
+        consumer.unlock(in_use(2))
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
