@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Any
@@ -9,12 +10,12 @@ from typing import Any
 __all__ = ["checked_count", "checked_lease"]
 
 
-def checked_count(value: Any, what: str, minimum: int) -> int:
-    """``value`` as an integer of at least ``minimum``.
+def checked_count(value: Any, what: str, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an integer of at least ``minimum`` (and at most ``maximum``, if given).
 
     Raises:
         TypeError: It is not an integer (a float, a string, a bool).
-        ValueError: It is below ``minimum``.
+        ValueError: It is below ``minimum`` or above ``maximum``.
 
     Example:
         >>> checked_count(3, "consumers", 1)
@@ -28,6 +29,8 @@ def checked_count(value: Any, what: str, minimum: int) -> int:
         raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
     if n < minimum:
         raise ValueError(f"{what} must be at least {minimum}, not {n}")
+    if maximum is not None and n > maximum:
+        raise ValueError(f"{what} must be at most {maximum}, not {n}")
     return n
 
 
@@ -48,4 +51,7 @@ def checked_lease(lease: Any) -> float | None:
         raise TypeError(f"lease must be a number of seconds or None, not {type(lease).__name__}")
     if not lease > 0:  # NaN too
         raise ValueError(f"lease must be a positive number of seconds (or None for no lease), not {lease}")
-    return float(lease)
+    try:
+        return float(lease)
+    except OverflowError:  # an integer past the largest float: longer than any wait, as inf is
+        return math.inf

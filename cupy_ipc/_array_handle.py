@@ -350,7 +350,8 @@ def get_ipc_handle(
     Raises:
         TypeError: ``array`` is not a GPU array, ``consumers`` not an
             integer or ``lease`` not a number.
-        ValueError: ``consumers`` or ``lease`` is not positive.
+        ValueError: ``consumers`` or ``lease`` is not positive, or
+            ``consumers`` is above 2**32 - 1.
         HandleError: Its dtype cannot be shared.
         IpcError: Its memory cannot be shared (managed or host memory, or
             pool or virtual-memory allocations made without a POSIX
@@ -364,8 +365,8 @@ def get_ipc_handle(
         <IpcArrayHandle shape=(6,) dtype=float32 device=0 producer=pid 4242@gpu-host>
     """
     _fork.check()
-    if type(consumers) is not int or consumers < 1:  # the checks run only off the common path: every export
-        consumers = checked_count(consumers, "consumers", 1)
+    if type(consumers) is not int or not 1 <= consumers <= _segment.MAX_OPENS:  # (checked off the common path)
+        consumers = checked_count(consumers, "consumers", 1, _segment.MAX_OPENS)  # what a segment counts
     if lease is not None:
         lease = checked_lease(lease)
     arr = _as_cupy(array)

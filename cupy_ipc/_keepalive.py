@@ -127,7 +127,13 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
                 raise
         slot = _free_slots.pop() if _free_slots else next(_slot_counter)
         export_id = next(_export_ids)
-        seg.write(slot, export_id, PINNED | ONE_CONSUMER if consumers == 1 else PINNED)
+        try:
+            seg.write(slot, export_id, PINNED | ONE_CONSUMER if consumers == 1 else PINNED)
+        except BaseException:  # the segment could not grow to the slot, say: both are there for the next pin
+            _free_slots.append(slot)
+            if event is not None:
+                _event_pool.setdefault(device, []).append(event)
+            raise
         deadline = None if lease is None else time.monotonic() + lease
         _pins[export_id] = _Pin(export_id, slot, keep, origin, device, consumers, deadline, event, description)
         if deadline is not None:

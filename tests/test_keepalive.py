@@ -4,6 +4,7 @@ ordering event), segments, and the locks a forked child inherits."""
 from __future__ import annotations
 
 import gc
+import math
 import os
 import secrets
 import subprocess
@@ -246,6 +247,7 @@ def test_a_lease_that_is_no_positive_number_is_refused(lease, error):
     with pytest.raises(error, match="lease must be"):
         checked_lease(lease)
     assert checked_lease(None) is None and checked_lease(2) == 2.0
+    assert checked_lease(10**400) == math.inf  # past the largest float: longer than any wait, as inf is
 
 
 def test_the_deadlines_of_pins_that_ended_early_do_not_pile_up():
@@ -255,6 +257,32 @@ def test_the_deadlines_of_pins_that_ended_early_do_not_pile_up():
         export_id, _ = _leased_pin(600.0)
         _keepalive.release(export_id)
     assert len(_keepalive._leases) <= 2 * len(_keepalive._pins) + 64
+
+
+def test_a_pin_whose_record_cannot_be_written_gives_its_slot_back(monkeypatch):
+    # A segment that cannot grow to the slot (a full /dev/shm) fails the export: the slot goes to the next
+    # one, which would otherwise need a still larger segment.
+    from cupy_ipc import IpcError
+
+    def full(self, slot, export_id, state):
+        raise IpcError("cannot grow the segment")
+
+    _keepalive.sweep()
+    monkeypatch.setattr(_segment.Segment, "write", full)
+    with pytest.raises(IpcError, match="cannot grow"):
+        _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+    lost = _keepalive._free_slots[-1]
+    monkeypatch.undo()
+    export_id, slot = _leased_pin(60.0)
+    assert slot == lost
+    _keepalive.release(export_id)
+
+
+def test_more_consumers_than_a_segment_counts_are_refused():
+    import cupy_ipc
+
+    with pytest.raises(ValueError, match="consumers must be at most 4294967295"):
+        cupy_ipc.get_ipc_handle(object(), consumers=2**32)  # checked before the array
 
 
 def test_a_revoke_that_fails_leaves_the_lease_keeper_serving_later_leases(monkeypatch):
