@@ -184,7 +184,7 @@ def _remember_ranks(group: Any, local: list[int]) -> None:
     key = id(group)
     try:
         ref: Callable[[], Any] = weakref.ref(group, lambda _, key=key: _group_hosts.pop(key, None))
-    except TypeError:  # no weak references to it (None, the default group of torch.distributed, say)
+    except TypeError:  # a group that takes no weak reference: held, and known by itself only
         ref = lambda group=group: group  # noqa: E731
     _group_hosts[key] = (ref, local)
 
@@ -228,12 +228,20 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
             mine = get_ipc_handle(array, consumers=peers)
         except Exception as e:  # reported to every rank below: raising alone would leave the others waiting
             error = f"rank {rank} could not share its array: {type(e).__name__}: {e}"
-    everything = engine.handles(mine.to_bytes() if mine is not None else None)
+    try:
+        everything = engine.handles(mine.to_bytes() if mine is not None else None)
+    except BaseException:  # the group itself failed (a peer died, a timeout): no peer will open it
+        if mine is not None:
+            mine.release()
+        raise
     failed = error is not None
     if peers and device is None and not failed:
-        import cupy
+        try:
+            import cupy
 
-        device = cupy.cuda.runtime.getDevice()
+            device = cupy.cuda.runtime.getDevice()
+        except Exception as e:  # reported to every rank below
+            error, failed = f"rank {rank} could not find its current GPU: {type(e).__name__}: {e}", True
     arrays: list[Any] = [None] * size
     handles: list[IpcArrayHandle] = []
     arrays[rank] = array
@@ -253,9 +261,14 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
             error = f"rank {rank} could not open rank {r}'s array: {type(e).__name__}: {e}"
             failed = True
     result = Gathered(rank, arrays, handles)
-    if engine.failed(failed):  # only then are the messages gathered
-        result.close()
-        if mine is not None:  # not every peer opened it: let it go once those that did are done
-            mine.release()
-        raise IpcError("all_gather failed: " + "; ".join(e for e in engine.objects(error) if e))
+    gave_up = True  # until every rank has said that it succeeded (or the group itself failed)
+    try:
+        gave_up = engine.failed(failed)
+        if gave_up:  # only then are the messages gathered
+            raise IpcError("all_gather failed: " + "; ".join(e for e in engine.objects(error) if e))
+    finally:
+        if gave_up:
+            result.close()
+            if mine is not None:  # not every peer opened it: let it go once those that did are done
+                mine.release()
     return result

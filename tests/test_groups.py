@@ -1,4 +1,5 @@
-"""all_gather and node_local_ranks without a GPU: who is local, and what a rank alone gets back.
+"""all_gather and node_local_ranks without a GPU: who is local, and what a rank alone gets back (and, on a GPU,
+what a failed group leaves pinned).
 
 The communicator here has mpi4py's interface over a fixed list of hosts, so
 that the host logic runs without an MPI runtime; the GPU tests run the real
@@ -203,3 +204,24 @@ def test_closing_a_result_drops_the_other_ranks_arrays_wherever_its_lists_are_he
     Gathered(0, arrays, handles).close()
     assert arrays == ["mine", None, None] and handles == []
     assert all(h.closed for h in opened)
+
+
+class BrokenComm(HostsComm):
+    """Two ranks of this host, whose gather of the handles fails (a peer died, or the group timed out)."""
+
+    def allgather(self, obj):
+        if obj is None or isinstance(obj, bytes):
+            raise RuntimeError("the group failed")
+        return super().allgather(obj)
+
+
+@pytest.mark.gpu
+def test_a_group_that_fails_while_gathering_the_handles_releases_this_ranks_export():
+    # No peer got the handle, so none will open it: pinned for a consumer, it would stay pinned for good.
+    import cupy
+
+    a = cupy.arange(4, dtype=cupy.float32)
+    before = len(cupy_ipc.pinned())
+    with pytest.raises(RuntimeError, match="the group failed"):
+        cupy_ipc.all_gather(a, BrokenComm(0, ["here", "here"]))
+    assert len(cupy_ipc.pinned()) == before
