@@ -12,7 +12,7 @@ import sys
 
 from ._errors import IpcError
 
-__all__ = ["check", "cuda_initialized"]
+__all__ = ["check", "cuda_initialized", "forked_after_cuda"]
 
 _parent_had_cuda = False
 _forked_after_cuda = False
@@ -53,6 +53,16 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def forked_after_cuda() -> bool:
+    """Whether this process was forked after its parent initialized CUDA: then no destructor may call CUDA.
+
+    Example:
+        >>> forked_after_cuda()
+        False
+    """
+    return _forked_after_cuda
 
 
 def check() -> None:

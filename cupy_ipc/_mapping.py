@@ -47,7 +47,7 @@ import resource
 import threading
 from typing import Any, Callable
 
-from . import _cuda, _pools, _reaper, _segment
+from . import _cuda, _fork, _pools, _reaper, _segment
 from ._args import checked_count
 from ._errors import HandleError, IpcError, warn_quietly
 
@@ -471,6 +471,8 @@ class Lease:
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
         if _exiting or _release is None or self.mapping_key is None:  # (None: abandoned, already let go)
+            return
+        if _fork.forked_after_cuda():  # an array inherited by a forked child: its CUDA calls would crash or hang
             return
         _release(self.mapping_key, self.claim_key, self.stream, self.device, _reaper.collecting())
 

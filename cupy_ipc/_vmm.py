@@ -24,7 +24,7 @@ import sys
 import threading
 from typing import Any
 
-from . import _cuda, _fdserver, _reaper
+from . import _cuda, _fdserver, _fork, _reaper
 from ._descriptors import close_quietly
 from ._errors import IpcError, warn_quietly
 from ._wire import MAX_PIECES
@@ -396,7 +396,7 @@ class _Owner:
     def __del__(self, _finalizing: Any = sys.is_finalizing) -> None:
         # Bound as a default: at interpreter exit module globals may be gone,
         # and the driver frees everything with the process then anyway.
-        if _finalizing():
+        if _finalizing() or _fork.forked_after_cuda():  # (a forked child's CUDA calls would crash or hang)
             return
         _reaper.now_or_later(_free_allocated, self.ptr, self.sizes, self.device)
 

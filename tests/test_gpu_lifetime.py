@@ -316,3 +316,40 @@ def test_a_new_allocation_at_the_addresses_of_an_idle_mapping_opens_as_itself(re
     out = consumer.call("open_each", [data])[0]
     assert out["value"] == 2.0
     assert out["idle"] == 0 and out["mapped"] == 0
+
+
+def test_an_opened_array_dropped_in_a_forked_child_makes_no_cuda_call(remote):
+    # A child forked after CUDA was initialized crashes or hangs on a CUDA call: the release of an array it
+    # inherited (a stream query, an event) must not make one, nor let go of the parent's claim.
+    import os
+    import warnings
+
+    import cupy_ipc
+
+    producer = remote()
+    arr = cupy_ipc.IpcArrayHandle.from_bytes(producer.call("export_filled", 1024, 3.0)).open()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop the array, report what was warned
+        code = 1
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                del arr
+                gc.collect()
+            os.write(w, "|".join(str(c.message) for c in caught).encode() or b"nothing")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    deadline = time.monotonic() + 60
+    while (ended := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child hung dropping the array")
+        time.sleep(0.05)
+    said = os.read(r, 65536).decode()
+    os.close(r)
+    assert os.waitstatus_to_exitcode(ended[1]) == 0 and said == "nothing"
+    assert float(arr.sum()) == 3.0 * 1024  # the parent's mapping and claim are untouched
