@@ -150,8 +150,8 @@ def unavailable_reason() -> str | None:
         return "no CUDA GPU is visible to this process"
     try:
         _driver()
-    except Exception as e:  # cuda-bindings raises a non-CUDA error when libcuda is missing
-        return f"the CUDA driver library cannot be used through cuda-bindings: {e}"
+    except IpcError as e:
+        return f"the CUDA driver cannot be used: {e}"
     return None
 
 
@@ -160,8 +160,16 @@ def _driver() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError:  # cuda-python before 12.6 names the module differently
-        from cuda import cuda as driver  # type: ignore[no-redef]
-    (err,) = driver.cuInit(0)
+        try:
+            from cuda import cuda as driver  # type: ignore[no-redef]
+        except ImportError as e:
+            raise IpcError("NVIDIA's cuda-bindings is not installed, and cupy_ipc calls the CUDA driver through "
+                           "it: install cupy_ipc with its cuda12 or cuda13 extra, or pip install cuda-bindings "
+                           "of the CUDA major version CuPy was built for") from e
+    try:
+        (err,) = driver.cuInit(0)
+    except Exception as e:  # cuda-bindings raises its own error when libcuda cannot be loaded
+        raise IpcError(f"the CUDA driver library cannot be loaded: {e}") from e
     if err != driver.CUresult.CUDA_SUCCESS:
         raise IpcError(f"cuInit failed: {err!r}", cuda_error=str(err))
     return driver

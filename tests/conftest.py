@@ -10,9 +10,19 @@ import pytest
 
 @functools.lru_cache(maxsize=None)
 def gpu_skip_reason() -> str | None:
+    """Why the GPU tests are skipped, or None. A GPU that CuPy sees and the library cannot use (without
+    cuda-bindings, say) is no reason: its tests run, and fail saying why, instead of passing by skipping."""
     from cupy_ipc._cuda import unavailable_reason
 
-    return unavailable_reason()
+    reason = unavailable_reason()
+    if reason is None:
+        return None
+    try:
+        import cupy
+
+        return None if cupy.cuda.runtime.getDeviceCount() > 0 else reason
+    except Exception:  # noqa: BLE001 - no CuPy, driver or GPU: the reason says which
+        return reason
 
 
 def gpu_count() -> int:

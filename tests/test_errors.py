@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import sys
 
 import pytest
 
@@ -110,3 +111,16 @@ def test_a_gpu_that_cannot_be_made_current_raises_ipc_error_naming_it():
         with _cuda.using_device(999):
             pass
     assert e.value.cuda_error
+
+
+def test_without_cuda_bindings_the_driver_says_what_to_install(monkeypatch):
+    from cupy_ipc import _cuda
+
+    for name in ("cuda.bindings", "cuda.bindings.driver", "cuda.cuda"):  # None: importing it fails
+        monkeypatch.setitem(sys.modules, name, None)
+    _cuda._driver.cache_clear()
+    try:
+        with pytest.raises(IpcError, match="cuda-bindings is not installed.*cuda12 or cuda13 extra"):
+            _cuda._driver()
+    finally:
+        _cuda._driver.cache_clear()
