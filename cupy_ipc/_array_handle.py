@@ -27,6 +27,8 @@ from ._wire import (
     Kind,
     byte_extent,
     dtype_of,
+    field_int,
+    field_ints,
     layout_of,
     pack_array,
     readable,
@@ -545,6 +547,19 @@ def _open_common(f: ArrayFields, last_try: bool = False) -> Any:
     return arr
 
 
+def _parts(value: Any, what: str, form: str) -> tuple[Any, ...]:
+    """``value``'s items, for a field given as a tuple of the ``form`` given, or :class:`HandleError`."""
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        raise HandleError(f"{what} must be {form}, not {type(value).__name__}")
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise HandleError(f"{what} must be {form}, not {type(value).__name__}") from None
+    if form.startswith("(") and len(items) != form.count(",") + 1:
+        raise HandleError(f"{what} must be {form}, not {len(items)} values")
+    return items
+
+
 class IpcArrayHandle:
     """An immutable, picklable value naming a GPU array of some process.
 
@@ -552,7 +567,13 @@ class IpcArrayHandle:
     byte offset in it, the allocation size, shape, strides (bytes), dtype,
     device (ordinal and UUID) and producer (pid, random token, boot id,
     host). Build one with :func:`get_ipc_handle`, or from field values for
-    tests and custom transports; either way it is validated.
+    tests and custom transports; either way it is validated. Built from
+    values, it also takes ``kind`` (``"legacy"``, ``"pool"``, ``"vmm"`` or
+    ``"empty"``) and, for memory shared by descriptor, ``fd`` (the
+    producer's descriptor), ``resource`` (its pool's or allocation's id) and
+    ``more`` (``(descriptor, size)`` of each further piece of virtual
+    memory). Values are taken as they are, never converted: a float where an
+    integer belongs, or text where bytes do, raises :class:`HandleError`.
 
     ``open()`` maps the memory and returns a ``cupy.ndarray``; ``close()``
     drops the arrays this handle returned. The mapping itself ends when the
@@ -587,13 +608,19 @@ class IpcArrayHandle:
         resource: int = 0,
         more: Iterable[tuple[int, int]] = (),
     ) -> None:
-        ordinal, uuid = device
-        pid, token, boot_id, host = producer
+        # Each value taken as it is, never converted (a float truncated, text parsed): a wrong type is refused.
+        ordinal, uuid = _parts(device, "device", "(ordinal, uuid)")
+        pid, token, boot_id, host = _parts(producer, "producer", "(pid, token, boot id, host)")
         fields = ArrayFields(
-            int(kind), 0, dtype_of(dtype), bytes(memory_handle), int(offset), int(allocation_size), 0, 0,
-            DeviceId(int(ordinal), uuid), Producer(int(pid), token, boot_id, host), 0, 0, _NO_HANDLE,
-            tuple(int(n) for n in shape),
-            tuple(int(s) for s in strides), int(fd), int(resource), tuple((int(a), int(b)) for a, b in more),
+            Kind.numbers.get(kind, kind) if isinstance(kind, str) else field_int(kind, "kind"), 0,  # type: ignore
+            dtype_of(dtype), readable(memory_handle, "memory_handle"), field_int(offset, "offset"),
+            field_int(allocation_size, "allocation_size"), 0, 0,
+            DeviceId(field_int(ordinal, "the device ordinal"), uuid),
+            Producer(field_int(pid, "the producer's pid"), token, boot_id, host), 0, 0, _NO_HANDLE,
+            field_ints(shape, "shape"), field_ints(strides, "strides"), field_int(fd, "fd"),
+            field_int(resource, "resource"),
+            tuple(field_ints(piece, "each piece of more", 2)
+                  for piece in _parts(more, "more", "a sequence of (descriptor, size) pairs")),
         )
         validate_array(fields)
         object.__setattr__(self, "_f", fields)

@@ -193,9 +193,13 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
         >>> send_handle(a, cupy_ipc.get_ipc_handle(arr))   # doctest: +SKIP
         >>> h = recv_handle(b)                              # doctest: +SKIP
     """
-    if sock.family != socket.AF_UNIX:
-        raise IpcError(f"send_handle needs an AF_UNIX socket, not {sock.family!r}")
     from . import _fdserver  # (which imports this module)
+    from ._array_handle import IpcArrayHandle
+    from ._events import IpcEventHandle
+
+    _check_socket(sock, "send_handle")
+    if not isinstance(handle, (IpcArrayHandle, IpcEventHandle)):
+        raise TypeError(f"send_handle sends an IpcArrayHandle or IpcEventHandle, not {type(handle).__name__}")
 
     data = handle.to_bytes()
     # Copies, taken where the descriptors are checked: the memory may be freed, and a number closed and
@@ -209,18 +213,46 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
         close_all(fds)
 
 
+def _check_socket(sock: Any, what: str) -> None:
+    if not isinstance(sock, socket.socket):
+        raise TypeError(f"{what} needs a socket, not {type(sock).__name__}")
+    if sock.family != socket.AF_UNIX:
+        raise IpcError(f"{what} needs an AF_UNIX socket, not {sock.family!r}")
+
+
 def recv_handle(sock: socket.socket) -> Any:
-    """Receive a handle sent with :func:`send_handle`; its descriptors come with it."""
+    """Receive a handle sent with :func:`send_handle`; its descriptors come with it.
+
+    Raises:
+        IpcError: The peer closed the socket, sent something else than a
+            handle, or its descriptors were dropped (this process is at its
+            open-file limit).
+        HandleError: The handle's bytes are invalid.
+
+    Example:
+        >>> a, b = socket.socketpair()                      # doctest: +SKIP
+        >>> send_handle(a, cupy_ipc.get_ipc_handle(arr))   # doctest: +SKIP
+        >>> with recv_handle(b) as view:                    # doctest: +SKIP
+        ...     print(view.sum())
+    """
     from ._array_handle import IpcArrayHandle
     from ._events import IpcEventHandle
-    from ._wire import ARRAY_MAGIC
+    from ._wire import ARRAY_MAGIC, MAX_DESCRIPTORS, MAX_WIRE_BYTES
 
+    _check_socket(sock, "recv_handle")
     head, fds, flags = recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)
     truncated = flags & socket.MSG_CTRUNC
     try:
-        if len(head) != _HEAD.size:
+        if not head:
             raise IpcError("the peer closed the socket before sending a handle")
+        if len(head) != _HEAD.size:
+            raise IpcError(f"the peer sent {len(head)} bytes where a handle's header has {_HEAD.size}: it is no "
+                           "handle sent with send_handle")
         n, nfds = _HEAD.unpack(head)
+        if n > MAX_WIRE_BYTES or nfds > MAX_DESCRIPTORS:  # read no further: the counts say what to wait for
+            raise IpcError(f"the peer announced a handle of {n} bytes with {nfds} descriptors, more than any "
+                           f"handle has ({MAX_WIRE_BYTES} bytes, {MAX_DESCRIPTORS} descriptors): it is no handle "
+                           "sent with send_handle")
         data = b""
         while len(data) < n:
             chunk, more, flags = recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)

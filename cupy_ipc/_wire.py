@@ -10,6 +10,7 @@ a 2-byte format version. The README documents each field.
 from __future__ import annotations
 
 import math
+import operator
 import re
 import struct
 from typing import NamedTuple
@@ -28,6 +29,8 @@ __all__ = [
     "EventFields",
     "Kind",
     "byte_extent",
+    "field_int",
+    "field_ints",
     "layout_of",
     "pack_array",
     "pack_event",
@@ -62,6 +65,7 @@ class Kind:
     EMPTY = 255  # a size-0 array: nothing to map
 
     names = {LEGACY: "legacy", VMM: "vmm", POOL: "pool", EMPTY: "empty"}
+    numbers = {name: number for number, name in names.items()}
     BY_DESCRIPTOR = frozenset({VMM, POOL})  # kinds whose handle ends with a descriptor record
 
 
@@ -91,6 +95,10 @@ _DESCRIPTOR = struct.Struct("<iIQ")
 MAX_PIECES = 4096
 ARRAY_HEADER = _ARRAY.size
 EVENT_RECORD = _EVENT.size
+# The longest handle there may be, and the most descriptors one may carry (a pool's one, or a descriptor per
+# piece of virtual memory).
+MAX_WIRE_BYTES = ARRAY_HEADER + 16 * MAX_NDIM + _DESCRIPTOR.size * (MAX_PIECES + 1)
+MAX_DESCRIPTORS = MAX_PIECES + 1
 
 # The dtypes CUDA kernels and CuPy handle natively: bool, integers, floats, complex.
 _DTYPES = {
@@ -163,8 +171,10 @@ _WARNING_TEXT = re.compile(r"(?<![A-Za-z_])a(?![A-Za-z_])|\([0-9 ]*[0-9][0-9 ]*\
 def dtype_of(value: object) -> np.dtype:
     """The dtype a handle may carry, or :class:`HandleError`."""
     hit = _BY_IDENTITY.get(id(value))
-    if hit is value:  # NumPy's builtin dtypes are singletons: an array's is one of them
+    if hit is value and hit is not None:  # NumPy's builtin dtypes are singletons: an array's is one of them
         return hit
+    if value is None:  # NumPy's float64 by default: a handle describes memory, whose dtype is never a default
+        raise HandleError("a handle needs a dtype, not None")
     key = value.str if isinstance(value, np.dtype) else value
     if isinstance(key, str) and key in _DTYPES:
         return _DTYPES[key]
@@ -325,6 +335,28 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
             f"[{offset + lo}, {offset + hi}), beyond the first {MAX_BYTES} (2**63 - 1) an array can address"
         )
     return lo, hi, align
+
+
+def field_int(value: object, what: str) -> int:
+    """``value`` as an integer field of a handle built from values: an integer (not a float or text, which
+    would be truncated or parsed), or :class:`HandleError`."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise HandleError(f"{what} must be an integer, not {type(value).__name__}") from None
+
+
+def field_ints(values: object, what: str, count: int | None = None) -> tuple[int, ...]:
+    """``values`` as a tuple of integers (of ``count`` of them, if given), or :class:`HandleError`."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)):  # iterable, but never meant as numbers
+        raise HandleError(f"{what} must be a sequence of integers, not {type(values).__name__}")
+    try:
+        items = tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        raise HandleError(f"{what} must be a sequence of integers, not {type(values).__name__}") from None
+    if count is not None and len(items) != count:
+        raise HandleError(f"{what} must have {count} items, not {len(items)}")
+    return tuple(field_int(v, f"each item of {what}") for v in items)
 
 
 def readable(data: object, what: str) -> bytes:

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import socket
+import struct
 import sys
 
 import pytest
@@ -186,6 +187,34 @@ def test_send_handle_refuses_other_sockets_and_recv_reports_a_closed_peer():
     a.close()
     with b, pytest.raises(IpcError, match="closed the socket"):
         cupy_ipc.recv_handle(b)
+
+
+def test_send_handle_and_recv_handle_refuse_what_is_no_socket_or_handle():
+    with pytest.raises(TypeError, match="needs a socket, not NoneType"):
+        cupy_ipc.send_handle(None, _pool_handle())
+    with pytest.raises(TypeError, match="needs a socket, not NoneType"):
+        cupy_ipc.recv_handle(None)
+    a, b = socket.socketpair()
+    with a, b, pytest.raises(TypeError, match="IpcArrayHandle or IpcEventHandle, not bytes"):
+        cupy_ipc.send_handle(a, _pool_handle().to_bytes())
+
+
+@pytest.mark.parametrize("header, why", [
+    (struct.pack("<II", 300, 2**32 - 1), "announced a handle of 300 bytes with 4294967295 descriptors"),
+    (struct.pack("<II", 2**32 - 1, 1), "announced a handle of 4294967295 bytes"),
+    (b"abc", "sent 3 bytes where a handle's header has 8"),
+])
+def test_recv_handle_refuses_a_header_no_handle_has_without_waiting_for_more(header, why):
+    # Trusted, such counts kept the receiver waiting for descriptors that never come, or sized its reads by
+    # gigabytes.
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(header)
+        if len(header) < 8:
+            a.shutdown(socket.SHUT_WR)
+        b.settimeout(10)
+        with pytest.raises(IpcError, match=why):
+            cupy_ipc.recv_handle(b)
 
 
 def test_take_fd_from_a_live_process_and_a_dead_one():

@@ -230,6 +230,38 @@ def test_unsupported_dtype_in_constructor(dtype):
     rejected("cannot be shared", make, dtype=dtype)
 
 
+@pytest.mark.parametrize("values, why", [
+    (dict(offset="8"), "offset must be an integer, not str"),
+    (dict(offset=4.7), "offset must be an integer, not float"),  # once truncated to 4
+    (dict(allocation_size=float("inf")), "allocation_size must be an integer, not float"),
+    (dict(shape=5), "shape must be a sequence of integers, not int"),
+    (dict(shape="42"), "shape must be a sequence of integers, not str"),  # once read as (4, 2)
+    (dict(strides=(8.0, 4)), "each item of strides must be an integer, not float"),
+    (dict(device=(0,)), "device must be \\(ordinal, uuid\\), not 1 values"),
+    (dict(device=("0", UUID)), "the device ordinal must be an integer, not str"),
+    (dict(producer=(1, UUID, UUID)), "producer must be \\(pid, token, boot id, host\\), not 3 values"),
+    (dict(memory_handle=64), "memory_handle must be bytes, not int"),  # once 64 zero bytes
+    (dict(memory_handle="x" * 64), "memory_handle must be bytes, not str"),
+    (dict(kind="nope"), "unknown memory kind nope"),
+    (dict(kind=1.0), "kind must be an integer, not float"),
+    (dict(more=[(1,)]), "each piece of more must have 2 items, not 1"),
+    (dict(more=5), "more must be a sequence of \\(descriptor, size\\) pairs, not int"),
+])
+def test_a_handle_built_from_values_of_the_wrong_type_is_refused(values, why):
+    fields = dict(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
+                  dtype="float32", device=(0, UUID), producer=PRODUCER)
+    rejected(why, IpcArrayHandle, **{**fields, **values})
+
+
+def test_a_kind_may_be_given_by_its_name():
+    assert make(kind="legacy") == make() and make((0,), (4,), kind="empty").kind == "empty"
+
+
+def test_a_handle_without_a_dtype_is_refused():
+    # NumPy reads None as float64: a handle describes memory, whose dtype is no default.
+    rejected("needs a dtype, not None", make, dtype=None)
+
+
 @pytest.mark.parametrize("dtype", ["float33", "not a dtype", 3.5, "M8[parsec]", ",", "9)Ib"])
 def test_not_a_dtype_in_constructor(dtype):
     rejected("not a dtype", make, dtype=dtype)
