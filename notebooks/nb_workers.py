@@ -46,11 +46,12 @@ def double_buffer_consumer(conn):
     wait for ``filled[i]`` on our stream, sum buffer ``i`` into slot ``k``,
     record ``drained[i]``, acknowledge. ``None`` ends it; we send the sums.
     """
-    buffers = [cupy_ipc.IpcArrayHandle.from_bytes(d).open() for d in conn.recv()]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    # Opened on the stream that works on them: the mapping is released once that stream's work is done.
+    buffers = [cupy_ipc.IpcArrayHandle.from_bytes(d).open(stream=stream) for d in conn.recv()]
     filled = [cupy_ipc.IpcEventHandle.from_bytes(d).open() for d in conn.recv()]
     drained = [cupy_ipc.IpcEvent() for _ in buffers]
     conn.send([e.get_ipc_handle().to_bytes() for e in drained])
-    stream = cupy.cuda.Stream(non_blocking=True)
     sums = []
     while (msg := conn.recv()) is not None:
         i, k = msg
