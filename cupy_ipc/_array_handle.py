@@ -466,6 +466,13 @@ class OpenInfo(NamedTuple):
     ``device``: the GPU the array belongs to here; ``memory_device``: the GPU
     holding the producer's memory (both ordinals of this process); ``copied``:
     a staged copy (no peer access), not a mapping.
+
+    Example:
+        >>> OpenInfo(device=1, memory_device=0, copied=False)
+        OpenInfo(device=1, memory_device=0, copied=False)
+        >>> info = cupy_ipc.open_info(handle.open(device=1))  # doctest: +SKIP
+        >>> info.copied                                       # doctest: +SKIP
+        False
     """
 
     device: int
@@ -706,16 +713,16 @@ class IpcArrayHandle:
     memory_handle = property(lambda self: self._f.memory_handle, doc="64-byte CUDA memory handle of the allocation.")
     offset = property(lambda self: self._f.offset, doc="Byte offset of element 0 in the allocation.")
     allocation_size = property(lambda self: self._f.allocation_size, doc="Bytes in the base allocation.")
-    shape = property(lambda self: self._f.shape)
+    shape = property(lambda self: self._f.shape, doc="The array's shape.")
     strides = property(lambda self: self._f.strides, doc="Strides in bytes.")
-    dtype = property(lambda self: self._f.dtype)
+    dtype = property(lambda self: self._f.dtype, doc="The array's ``numpy.dtype``.")
     device = property(lambda self: self._f.device, doc="The producer's ``DeviceId(ordinal, uuid)``.")
     producer = property(lambda self: self._f.producer, doc="``Producer(pid, token, boot_id, host)``.")
     keepalive = property(lambda self: bool(self._f.flags & FLAG_KEEPALIVE), doc="The producer pins the memory.")
     synced = property(lambda self: bool(self._f.flags & FLAG_EVENT), doc="open() waits on the producer's event.")
-    ndim = property(lambda self: len(self._f.shape))
-    size = property(lambda self: int(np.prod(self._f.shape, dtype=object)))
-    nbytes = property(lambda self: self.size * self._f.dtype.itemsize)
+    ndim = property(lambda self: len(self._f.shape), doc="Number of dimensions.")
+    size = property(lambda self: int(np.prod(self._f.shape, dtype=object)), doc="Number of elements.")
+    nbytes = property(lambda self: self.size * self._f.dtype.itemsize, doc="Bytes of its elements (size × itemsize).")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "IpcArrayHandle":
@@ -728,7 +735,14 @@ class IpcArrayHandle:
         return cls._make(unpack_array(raw), raw)
 
     def to_bytes(self) -> bytes:
-        """The wire form: versioned, fixed layout, no pickle inside."""
+        """The wire form: versioned, fixed layout, no pickle inside; :meth:`from_bytes` reads it back.
+
+        Example:
+            >>> h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=8, shape=(2,), strides=(4,),
+            ...                    dtype="float32", device=(0, bytes(16)), producer=(1, bytes(16), bytes(16), "h"))
+            >>> IpcArrayHandle.from_bytes(h.to_bytes()) == h
+            True
+        """
         if self._wire is None:
             object.__setattr__(self, "_wire", pack_array(self._f))
         return self._wire

@@ -162,6 +162,9 @@ def allow_ptrace_from_any() -> None:
 
     Raises:
         IpcError: The kernel refused (no Yama, or not Linux).
+
+    Example:
+        >>> cupy_ipc.allow_ptrace_from_any()  # in the producer, before consumers open  # doctest: +SKIP
     """
     if _libc().prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0) != 0:
         code = ctypes.get_errno()

@@ -94,10 +94,12 @@ class IpcEvent:
 
     @property
     def block(self) -> bool:
+        """Whether a host wait on the event sleeps (blocking synchronization) rather than spins."""
         return self._block
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` was called (every method then raises :class:`ClosedError`)."""
         return not self._finalizer.alive
 
     @property
@@ -217,22 +219,33 @@ class IpcEventHandle:
         return cls._make(unpack_event(data))
 
     def to_bytes(self) -> bytes:
+        """The handle's wire form: the bytes :meth:`from_bytes` reads back, to send by any channel.
+
+        Example:
+            >>> h = cupy_ipc.IpcEvent().get_ipc_handle()              # doctest: +SKIP
+            >>> cupy_ipc.IpcEventHandle.from_bytes(h.to_bytes()) == h  # doctest: +SKIP
+            True
+        """
         return pack_event(self._f)
 
     @property
     def event_handle(self) -> bytes:
+        """The 64-byte CUDA interprocess event handle (``cudaIpcEventHandle_t``)."""
         return self._f.event_handle
 
     @property
     def block(self) -> bool:
+        """Whether the event was created with blocking synchronization (a host wait sleeps, not spins)."""
         return self._f.block
 
     @property
     def device(self) -> DeviceId:
+        """``(ordinal, uuid)`` of the GPU the event belongs to, as its creator numbers it."""
         return self._f.device
 
     @property
     def producer(self) -> Producer:
+        """``(pid, token, boot id, host)`` of the process that created the event."""
         return self._f.producer
 
     def open(self) -> IpcEvent:

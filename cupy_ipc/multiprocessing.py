@@ -49,6 +49,7 @@ Example:
     >>> import cupy_ipc.multiprocessing as mp
     >>> ctx = mp.get_context("spawn")
     >>> q = ctx.Queue()
+    >>> import cupy                               # doctest: +SKIP
     >>> q.put(cupy.arange(4))                     # doctest: +SKIP
 """
 
