@@ -513,10 +513,10 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _open_common(f: ArrayFields, last_try: bool = False) -> Any:
+def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
     """The open of nearly every message, written out flat: another process's ``cudaMalloc`` memory, mapped
     on the current GPU, which holds it, ordered on its current stream. ``None``, having done nothing, for
-    any other case (the general path then opens it).
+    any other case (the general path then opens it). ``claimed``: see :meth:`IpcArrayHandle._open_once`.
 
     Flat because Python run once per message costs several times its loop time (measured on the H200
     machines: benchmarks/RESULTS.md), so every call left out of a message's path counts.
@@ -533,6 +533,9 @@ def _open_common(f: ArrayFields, last_try: bool = False) -> Any:
             return None  # another GPU's memory (or a GPU not looked up yet)
         seg = _segment.attach(producer.token, producer.pid)  # ProducerExitedError if it has gone
         stream = cupy.cuda.get_current_stream()
+        last_try = claimed is not None
+        if last_try:
+            claimed[0] = True  # type: ignore[index]
         ptr, lease = _mapping.acquire(
             (device, Kind.LEGACY, f.memory_handle, producer.token, f.buffer_id), device, f.memory_handle,
             f.allocation_size, None, None, seg, producer.token, producer.pid, f.export_id, f.slot, stream, device,
@@ -552,6 +555,17 @@ def _open_common(f: ArrayFields, last_try: bool = False) -> Any:
     except _cuda._runtime_error() as e:
         raise _cuda._translated("opening the array", e) from e
     return arr
+
+
+def _count_unclaimed(f: ArrayFields) -> None:
+    """Count a message's open that failed before it claimed the export (see :func:`_mapping.count_unclaimed`)."""
+    if not f.export_id:
+        return
+    try:
+        seg = _segment.attach(f.producer.token, f.producer.pid)
+        _mapping.count_unclaimed(seg, f.producer.token, f.producer.pid, f.export_id, f.slot)
+    except Exception:  # noqa: BLE001 - the producer has gone: nothing waits for this open; the open's error stands
+        pass
 
 
 def _parts(value: Any, what: str, form: str) -> tuple[Any, ...]:
@@ -805,12 +819,26 @@ class IpcArrayHandle:
         """:meth:`open` without tracking the array: it lives until it is garbage-collected. ``last_try``: an
         open that will not be retried (a message's), counted as one of the export's even if it fails, so that
         the producer does not keep the memory for it."""
+        if not last_try:
+            return self._open_once(stream, device, copy, None)
+        claimed = [False]
+        try:
+            return self._open_once(stream, device, copy, claimed)
+        except BaseException:
+            if not claimed[0]:  # failed before it claimed (the producer's GPU not visible here, say)
+                _count_unclaimed(self._f)
+            raise
+
+    def _open_once(self, stream: Any, device: int | None, copy: bool, claimed: list[bool] | None) -> Any:
+        """:meth:`_open`. ``claimed``, given for an open that is not retried (``last_try``), is set just before
+        the open claims the export (:func:`_mapping.acquire`), which counts any failure from there on."""
         import cupy
 
         _fork.check()
         f = self._f
+        last_try = claimed is not None
         if stream is None and device is None and f.kind == Kind.LEGACY:
-            arr = _open_common(f, last_try)
+            arr = _open_common(f, claimed)
             if arr is not None:
                 return arr
         if f.producer.boot_id != this_process().boot_id:
@@ -845,15 +873,15 @@ class IpcArrayHandle:
                 stream_obj = cupy.cuda.get_current_stream()
         if not staged:
             if target == current:  # no device to switch to and back
-                return self._mapped(target, home, stream_obj, target, last_try=last_try)
+                return self._mapped(target, home, stream_obj, target, claimed=claimed)
             with _cuda.using_device(target):
-                return self._mapped(target, home, stream_obj, target, last_try=last_try)
+                return self._mapped(target, home, stream_obj, target, claimed=claimed)
         # Map on the memory's GPU, copy to the target on the consumer's
         # stream, and let the mapping go once that copy is done. The open
         # counts only once the copy is queued: one that fails there (no
         # memory on the target, say) may be retried.
         with _cuda.using_device(home):
-            src = self._mapped(home, home, stream_obj, target, count=False, last_try=last_try)
+            src = self._mapped(home, home, stream_obj, target, count=False, claimed=claimed)
         lease = src.data.mem._owner
         lo, hi = byte_extent(f.shape, f.strides, f.dtype.itemsize)
         runtime = _cuda.rt()
@@ -873,10 +901,11 @@ class IpcArrayHandle:
         return arr
 
     def _mapped(self, map_device: int, home: int, stream_obj: Any, stream_device: int, count: bool = True,
-                last_try: bool = False) -> Any:
+                claimed: list[bool] | None = None) -> Any:
         """The array mapped on ``map_device`` (``home``, or a GPU with peer access to it), which is current.
         Unless ``count``, the open is not counted yet: the caller passes the array's lease to
-        :func:`_mapping.opened` once its open has succeeded, or to :func:`_mapping.abandon`."""
+        :func:`_mapping.opened` once its open has succeeded, or to :func:`_mapping.abandon`. ``claimed``:
+        see :meth:`_open_once`."""
         import cupy
 
         f = self._f
@@ -918,6 +947,9 @@ class IpcArrayHandle:
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
                         lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]), len(pieces))
+        last_try = claimed is not None
+        if last_try:
+            claimed[0] = True  # type: ignore[index]
         ptr, lease = _mapping.acquire(
             key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
             producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,

@@ -558,6 +558,22 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
                         memory_device)
 
 
+def count_unclaimed(segment: _segment.Segment, producer_token: bytes, producer_pid: int, export_id: int,
+                    slot: int) -> None:
+    """An open that will not be retried (a message's) failed before :func:`acquire` claimed the export: claim
+    it, count it and let it go, so that the producer does not keep the memory for it. Nothing if the export
+    has ended, and no second count of a claim this process already counted."""
+    with _lock:
+        try:
+            claim_key = _claim(segment, producer_token, producer_pid, export_id, slot)
+        except IpcError:  # ended already
+            return
+        try:
+            _count(claim_key)
+        finally:
+            _unclaim(claim_key)
+
+
 def opened(lease: Lease) -> None:
     """The open that :func:`acquire` made ``lease`` for has succeeded: count it as one of the export's opens,
     once per claim (opens that share a claim count as one process's)."""

@@ -266,6 +266,41 @@ def test_a_failed_open_that_is_not_retried_counts_so_the_producer_lets_the_memor
     assert not _mapping._idle and not _mapping._claims
 
 
+def test_a_message_whose_open_fails_before_its_claim_counts_too(sender, monkeypatch):
+    # The producer's GPU not visible here (another CUDA_VISIBLE_DEVICES) fails the open before it claims the
+    # export: uncounted, the message left the producer's memory pinned for the life of the producer.
+    handle, producer, runtime, event_errors = sender
+
+    def not_visible(uuid):
+        raise HandleError("the GPU with that UUID is not visible to this process")
+
+    monkeypatch.setattr(_cuda, "_ordinals", {})
+    monkeypatch.setattr(_cuda, "ordinal_of_uuid", not_visible)
+    with pytest.raises(HandleError, match="not visible"):
+        handle._open(last_try=True)
+    assert (producer.opens(0), _in_use(producer, 0)) == (1, False)
+    assert not _mapping._claims
+    with pytest.raises(HandleError, match="not visible"):
+        handle.open()  # an open that may be retried counts nothing
+    assert producer.opens(0) == 1
+
+
+def test_a_message_whose_open_fails_after_a_counted_open_of_its_export_counts_once(sender):
+    # Several consumers may open one export: a second, failed open of this process counts no second time.
+    handle, producer, runtime, event_errors = sender
+    producer.write_state(0, PINNED)  # an export for several consumers, whose count must be exact
+    arr = handle.open()
+    assert producer.opens(0) == 1
+    runtime.failing = True
+    with pytest.raises(IpcError):
+        IpcArrayHandle._make(handle._f._replace(allocation_size=128))._open(last_try=True)
+    assert producer.opens(0) == 1
+    del arr
+    handle.close()
+    gc.collect()
+    assert not _mapping._claims
+
+
 # --- pools and virtual memory ----------------------------------------------------------------------------------
 def test_a_failed_open_of_a_pool_buffer_sent_again_lets_go_of_its_claim(monkeypatch):
     # A pool import's idle mapping keeps its last user's claim (the producer must not free the memory while
