@@ -103,19 +103,23 @@ def _runtime_error() -> type[Exception]:
 class using_device:
     """Make ``ordinal`` the current device, restoring the previous one after.
 
+    ``bind``: for driver calls, make its context current on this thread even
+    if it is the current device already: a thread that has made no runtime
+    call (the library's own) has device 0 current and no context at all.
     A class rather than a generator: it runs on every export and open.
     """
 
-    __slots__ = ("ordinal", "previous")
+    __slots__ = ("ordinal", "previous", "bind")
 
-    def __init__(self, ordinal: int) -> None:
+    def __init__(self, ordinal: int, bind: bool = False) -> None:
         self.ordinal = ordinal
+        self.bind = bind
 
     def __enter__(self) -> None:
         runtime = rt()
         try:
             self.previous = runtime.getDevice()
-            if self.previous != self.ordinal:
+            if self.previous != self.ordinal or self.bind:
                 runtime.setDevice(self.ordinal)
         except _runtime_error() as e:
             raise _translated(f"making GPU {self.ordinal} current", e) from e

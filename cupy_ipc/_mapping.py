@@ -86,7 +86,7 @@ class _Mapping:
             if self.close is None and runtime.getDevice() == self.device:  # the common case: no switch
                 runtime.ipcCloseMemHandle(self.ptr)
                 return
-            with _cuda.using_device(self.device):
+            with _cuda.using_device(self.device, bind=True):  # a pool's or pieces' unmap: driver calls
                 if self.close is not None:
                     self.close(self.ptr)
                 else:

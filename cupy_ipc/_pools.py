@@ -323,7 +323,7 @@ def _destroy(pools: list[tuple[int, Any]]) -> None:
     for device, pool in pools:
         _forget_export(int(pool))
         try:
-            with _cuda.using_device(device):
+            with _cuda.using_device(device, bind=True):  # driver calls, maybe on the library's thread
                 (err,) = _driver().cuMemPoolDestroy(pool)  # frees still queued on a stream finish first
             _cuda.check("destroying a shareable memory pool", err)
         except Exception as e:  # destructor path: warn, never raise

@@ -40,6 +40,17 @@ def test_a_pool_array_that_the_garbage_collector_frees_inside_the_librarys_code_
     assert r == {"value": 0.0, "stuck": False, "mapped": 0}
 
 
+def test_a_pool_array_released_on_the_librarys_thread_is_unmapped_there(remote):
+    # That thread has made no runtime call, so it has no CUDA context: the driver's free of the import failed
+    # there, and the claim went all the same (the producer could free what was still imported here).
+    import cupy_ipc
+
+    pool, a = _shareable()
+    consumer = remote()
+    r = consumer.call("release_on_the_librarys_thread", cupy_ipc.get_ipc_handle(a).to_bytes())
+    assert r == {"value": 0.0, "mapped": 0, "imported": 0, "warned": []}
+
+
 def test_pool_array_round_trips_as_bytes_through_pidfd_getfd(remote):
     import cupy
 

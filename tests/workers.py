@@ -622,6 +622,30 @@ def collect_a_cycle_holding_the_pools_lock(data: bytes) -> dict[str, Any]:
     return {"value": value, "stuck": collector.is_alive(), "mapped": _mapped_once_released()}
 
 
+def release_on_the_librarys_thread(data: bytes) -> dict[str, Any]:
+    """Open a pool array with no idle mapping kept, drop it in a collected cycle (so that the library's thread,
+    which has made no CUDA call yet, unmaps it), and report what is left imported and what was warned."""
+    import warnings
+
+    from cupy_ipc import IpcArrayHandle, _mapping, _pools
+
+    old = _mapping.set_idle_mapping_limit(0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            arr = IpcArrayHandle.from_bytes(data)._open()
+            value = float(arr[0])
+            cycle: list[Any] = [arr]
+            cycle.append(cycle)
+            del arr, cycle
+            gc.collect()
+            mapped = _mapped_once_released()
+        return {"value": value, "mapped": mapped, "imported": len(_pools._pointer_pool),
+                "warned": [str(w.message) for w in caught]}
+    finally:
+        _mapping.set_idle_mapping_limit(old)
+
+
 def open_on_both_gpus_drop_one(data: bytes) -> dict[str, Any]:
     """Open one handle on GPU 0 and on GPU 1, drop the first array, read the second on its GPU."""
     import cupy
