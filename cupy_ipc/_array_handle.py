@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _cuda, _fdserver, _fork, _keepalive, _mapping, _pools, _segment, _vmm
 from ._args import checked_count, checked_lease
-from ._descriptors import close_all, dup_all
+from ._descriptors import close_all
 from ._errors import HandleError, IpcError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
@@ -57,6 +57,7 @@ _handle_cache: dict[int, bytes] = {}
 _exported: "collections.OrderedDict[bytes, tuple[int, int]]" = collections.OrderedDict()  # -> (base, buffer id)
 _HANDLE_CACHE_SIZE = 4096
 _exported_lock = threading.Lock()
+_fd_lock = threading.Lock()  # swaps a handle's descriptors: two threads closing it must not both close them
 
 
 def _memory_handle(base: int, buffer_id: int) -> bytes:
@@ -392,8 +393,15 @@ def get_ipc_handle(
         template, static = _template(arr), None
     if keepalive or sync:
         device = arr.data.device_id  # where the producer's stream and its event live
+        stream_ptr = _cuda.stream_ptr(stream) if sync else None
+        if stream_ptr is not None and template.device.ordinal != device:
+            # An array opened here on a peer GPU, sent on: its handle names the memory's GPU, whose streams
+            # must not wait on an event of this one (that ends the consumer's process). Waited for here.
+            with _cuda.using_device(device):
+                _cuda.call("waiting for the work on the array", _cuda.rt().streamSynchronize, stream_ptr)
+            stream_ptr = None
         pin = (array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
-               device, consumers, lease, _cuda.stream_ptr(stream) if sync else None, (arr.shape, template.dtype))
+               device, consumers, lease, stream_ptr, (arr.shape, template.dtype))
         if _cuda.current_device() == device:
             export_id, slot, event = _keepalive.pin(*pin)
         else:
@@ -500,8 +508,9 @@ def open_info(array: Any) -> OpenInfo | None:
 
 
 def _forget_after_fork() -> None:
-    global _exported_lock
-    _exported_lock = threading.Lock()  # another thread may have held it at the fork
+    global _exported_lock, _fd_lock
+    _exported_lock = threading.Lock()  # another thread may have held them at the fork
+    _fd_lock = threading.Lock()
     _by_array.clear()  # the templates and layouts carry the parent's identity
     _layouts.clear()
     _opened_unmapped.clear()
@@ -670,10 +679,16 @@ class IpcArrayHandle:
         """Keep the descriptors that came with this handle (``SCM_RIGHTS``) if they are all there; close the rest."""
         keep = tuple(fds) if fds and len(fds) == self._wanted() else None
         if keep is None:
-            for fd in fds:
-                os.close(fd)
-        self._close_fds()
-        object.__setattr__(self, "_fd", keep)
+            close_all(fds)
+        _fdserver.retire(list(self._swap_fds(keep) or ()))
+
+    def _swap_fds(self, new: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """Replace the descriptors that came with this handle; the old ones, now the caller's to close (through
+        :func:`_fdserver.retire`, under the lock that copies them for an open or a send)."""
+        with _fd_lock:
+            old = self._fd
+            object.__setattr__(self, "_fd", new)
+        return old
 
     def _ask_producer(self, server: bytes) -> None:
         """Take the descriptors, when an import needs them, from the producer's descriptor server ``server``."""
@@ -686,7 +701,9 @@ class IpcArrayHandle:
         Copies: the handle keeps its own until it is closed, so that an open that fails may be retried
         without ``pidfd_getfd``, which ptrace rules may refuse where a socket was the way in."""
         if self._fd is not None:
-            return tuple(dup_all(self._fd))
+            fds = _fdserver.copies(lambda: list(self._fd or ()))  # (closed meanwhile: none)
+            if fds:
+                return tuple(fds)
         if self._server is not None:
             return tuple(_fdserver.fetch(self._server, self._f.producer.pid, _producer_numbers(self._f),
                                          self._f.resource))
@@ -710,12 +727,9 @@ class IpcArrayHandle:
             return [fd]
         return list(self._fd or ())
 
-    def _close_fds(self) -> None:
-        close_all(getattr(self, "_fd", None) or ())
-
     def __del__(self) -> None:
         if getattr(self, "_fd", None):
-            self._close_fds()
+            close_all(self._fd)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("IpcArrayHandle is immutable")
@@ -808,8 +822,9 @@ class IpcArrayHandle:
                 process cannot see, or claims more memory than was mapped.
             ProducerExitedError: The producer has exited.
             IpcError: ``device`` cannot access the memory's GPU (and not
-                ``copy``), the producer no longer shares the memory, or CUDA
-                failed.
+                ``copy``), ``stream`` belongs to another GPU than the one
+                the array is opened on, the producer no longer shares the
+                memory, or CUDA failed.
         """
         arr = self._open(stream, device, copy)
         self._opened.append(arr)
@@ -866,6 +881,10 @@ class IpcArrayHandle:
                 )
         if stream is not None:
             stream_obj = _cuda.as_cupy_stream(stream)
+            if stream_obj.ptr not in (0, 1, 2) and _cuda.stream_device(stream_obj.ptr) != target:
+                # Its work could not be ordered, nor the release recorded on it: the memory stayed pinned.
+                raise IpcError(f"the stream belongs to GPU {_cuda.stream_device(stream_obj.ptr)}, and the array "
+                               f"is opened on GPU {target}: pass a stream of GPU {target}, or open it there")
         elif target == current:
             stream_obj = cupy.cuda.get_current_stream()
         else:
@@ -981,8 +1000,7 @@ class IpcArrayHandle:
         ``ResourceWarning`` says how many.
         """
         if self._fd is not None:  # the imports hold their own copies
-            self._close_fds()
-            object.__setattr__(self, "_fd", None)
+            _fdserver.retire(list(self._swap_fds(None) or ()))
         opened = self._opened[:]
         self._opened.clear()
         outliving = 0

@@ -189,6 +189,33 @@ def test_send_handle_refuses_other_sockets_and_recv_reports_a_closed_peer():
         cupy_ipc.recv_handle(b)
 
 
+def test_two_threads_closing_a_received_handle_close_its_descriptor_once(monkeypatch):
+    # The second close used to find the descriptor still there while the first closed it: closed twice, the
+    # second time it may be another file's number by then.
+    import threading
+    import time
+
+    fd = _memfd(b"pool")
+    h = _pool_handle()
+    h._adopt_descriptors([fd])
+    real_close, closes = os.close, []
+
+    def slow_close(n):
+        if n == fd:
+            closes.append(n)
+            time.sleep(0.2)  # the other thread closes meanwhile
+        real_close(n)
+
+    monkeypatch.setattr(os, "close", slow_close)
+    threads = [threading.Thread(target=h.close) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(30)
+    assert closes == [fd]
+
+
 def test_send_handle_and_recv_handle_refuse_what_is_no_socket_or_handle():
     with pytest.raises(TypeError, match="needs a socket, not NoneType"):
         cupy_ipc.send_handle(None, _pool_handle())

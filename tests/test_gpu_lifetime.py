@@ -353,3 +353,36 @@ def test_an_opened_array_dropped_in_a_forked_child_makes_no_cuda_call(remote):
     os.close(r)
     assert os.waitstatus_to_exitcode(ended[1]) == 0 and said == "nothing"
     assert float(arr.sum()) == 3.0 * 1024  # the parent's mapping and claim are untouched
+
+
+@pytest.mark.multi_gpu(2)
+def test_an_array_opened_on_a_peer_gpu_and_sent_on_is_ordered_for_its_next_consumer(remote):
+    # Its handle names the memory's GPU; an ordering event recorded on the peer GPU would have the next
+    # consumer's stream of the memory's GPU wait on another GPU's event, which ends that process.
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.zeros(N, dtype=cupy.float32)
+    relay, consumer = remote(), remote()
+    relayed = relay.call("fill_on_a_peer_and_send_on", cupy_ipc.get_ipc_handle(a).to_bytes(), 1, 5.0)
+    assert (consumer.call("read", relayed) == 5.0).all()
+    assert float(a.sum()) == 5.0 * N
+
+
+@pytest.mark.multi_gpu(2)
+def test_a_stream_of_another_gpu_than_the_one_opened_on_is_refused():
+    # Neither the wait on the producer's event nor the release could be ordered on it: the memory stayed pinned.
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.arange(4, dtype=cupy.float32)
+    h = cupy_ipc.get_ipc_handle(a)
+    with cupy.cuda.Device(0):
+        s = cupy.cuda.Stream(non_blocking=True)
+    with pytest.raises(cupy_ipc.IpcError, match="stream belongs to GPU 0, and the array is opened on GPU 1"):
+        h.open(stream=s, device=1)
+    assert float(h.open(stream=s, device=0).sum()) == 6.0
+    h.close()
+    h.release()

@@ -552,6 +552,20 @@ def wait_from_another_gpu(data: bytes, current: int) -> dict[str, Any]:
     return {"event_device": ev.device, "done_after_wait": done, "waited_s": waited}
 
 
+def fill_on_a_peer_and_send_on(data: bytes, device: int, value: float) -> bytes:
+    """Open on ``device`` (a peer of the memory's GPU), queue a long fill there, and send it on at once."""
+    import cupy
+
+    import cupy_ipc
+
+    with cupy.cuda.Device(device):
+        arr = cupy_ipc.IpcArrayHandle.from_bytes(data).open()
+        _held["peer"] = arr
+        spin(0.5)  # the fill waits behind this, on the same stream
+        arr[...] = value
+        return cupy_ipc.get_ipc_handle(arr).to_bytes()
+
+
 def write_through(data: bytes, device: int, value: float) -> None:
     """Write element 0 through a mapping on ``device`` and finish the write."""
     import cupy
