@@ -21,7 +21,7 @@ from typing import Any
 
 from . import _cuda, _fdserver
 from ._cuda import unavailable_reason
-from ._descriptors import ptrace_scope
+from ._descriptors import _SCOPES, ptrace_scope
 
 __all__ = ["build_report", "render", "run_doctor"]
 
@@ -118,8 +118,12 @@ def _ptrace() -> dict[str, Any]:
 
 
 def _versions() -> dict[str, Any]:
-    import cupy
-
+    """What is installed, and the CUDA versions of the driver and the runtime: gathered whether or not a GPU
+    is usable, since a driver older than the runtime is a common reason why not."""
+    try:
+        import cupy
+    except ImportError:
+        return {}
     out: dict[str, Any] = {"cupy": cupy.__version__}
     try:
         from cuda import bindings
@@ -127,12 +131,13 @@ def _versions() -> dict[str, Any]:
         out["cuda_bindings"] = bindings.__version__
     except ImportError:
         out["cuda_bindings"] = None
-    try:
-        d, r = cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.runtimeGetVersion()
-        out["driver_cuda"] = f"{d // 1000}.{d % 1000 // 10}"
-        out["runtime"] = f"{r // 1000}.{r % 1000 // 10}"
-    except Exception:  # no driver: the report says so elsewhere
-        out["driver_cuda"] = out["runtime"] = None
+    for key, version in (("driver_cuda", cupy.cuda.runtime.driverGetVersion),
+                         ("runtime", cupy.cuda.runtime.runtimeGetVersion)):
+        try:
+            v = version()
+        except Exception:  # noqa: BLE001 - no driver, or no runtime library: the report says so elsewhere
+            v = 0
+        out[key] = f"{v // 1000}.{v % 1000 // 10}" if v else None  # 0: no driver
     return out
 
 
@@ -394,10 +399,38 @@ def _problems(report: dict[str, Any]) -> list[dict[str, str]]:
         out.append({"what": "default start method 'fork'",
                     "cause": "a child forked after CUDA was initialized cannot use CUDA",
                     "remedy": "multiprocessing.get_context('spawn') or set_start_method('spawn')"})
+    v = report["versions"]
+    if v.get("driver_cuda") and v.get("runtime") and _older(v["driver_cuda"], v["runtime"]):
+        out.append({"what": f"driver (CUDA {v['driver_cuda']}) older than the runtime (CUDA {v['runtime']})",
+                    "cause": "CuPy's runtime needs a driver at least as new as itself",
+                    "remedy": "update the NVIDIA driver, or install CuPy built for the driver's CUDA major "
+                    "(cupy_ipc's cuda12 or cuda13 extra)"})
+    p = report["ptrace"]
+    if p["pidfd_getfd"] == "refused":
+        out.append({"what": f"pidfd_getfd refused ({p['pidfd_getfd_error']})",
+                    "cause": "a consumer that opens a handle of memory shared by descriptor (virtual memory, "
+                    "stream-ordered pools) received as bytes takes the descriptor out of the producer, which "
+                    f"needs permission to ptrace it: {_SCOPES.get(p['ptrace_scope'], _SCOPES[None])}",
+                    "remedy": "send such handles with cupy_ipc.send_handle or cupy_ipc.multiprocessing, which pass "
+                    "the descriptors themselves"
+                    + ("; or call cupy_ipc.allow_ptrace_from_any() in the producer" if p["ptrace_scope"] == 1
+                       else "")})
+    for i, row in enumerate(report["peer_access"]):
+        for j, ok in enumerate(row):
+            if ok is False:
+                out.append({"what": f"GPU {i} has no peer access to GPU {j}",
+                            "cause": f"an array of GPU {j} cannot be mapped on GPU {i}",
+                            "remedy": f"open it on GPU {j} (where it opens by default), or on GPU {i} with "
+                            "open(copy=True), which stages a copy"})
     for m in report["modes"]:
-        if m["available"] and not m["works"]:
+        if m["available"] and m["works"] is False:  # (None: the self-test was not run)
             out.append({"what": f"mode {m['name']} failed its self-test", "cause": m["cause"], "remedy": m["remedy"]})
     return out
+
+
+def _older(a: str, b: str) -> bool:
+    """Whether CUDA version ``a`` ("12.4") is older than ``b``."""
+    return tuple(map(int, a.split("."))) < tuple(map(int, b.split(".")))
 
 
 def build_report(self_test: bool = True) -> dict[str, Any]:
@@ -418,13 +451,12 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
         "start_method": _start_method(),
         "ptrace": _ptrace(),
         "gpu_error": unavailable_reason(),
-        "versions": {},
+        "versions": _versions(),
         "gpus": [],
         "peer_access": [],
         "modes": [],
     }
     if report["gpu_error"] is None:
-        report["versions"] = _versions()
         report["gpus"] = _gpus()
         report["peer_access"] = _peer_matrix(len(report["gpus"]))
         usable = [g["ordinal"] for g in report["gpus"] if g["compute_mode"] == "default"]

@@ -76,8 +76,8 @@ def _report(**changes):
         "segments": {"dir": "/dev/shm", "writable": True, "shared_memory": True, "dev_shm": "writable"},
         "open_files": {"soft": 65536, "hard": 65536},
         "start_method": {"default": "spawn", "available": ["spawn"]},
-        "ptrace": {"ptrace_scope": 1, "pidfd_getfd": "refused", "pidfd_getfd_error": "EPERM"},
-        "gpu_error": None, "versions": {"cupy": "14"},
+        "ptrace": {"ptrace_scope": 1, "pidfd_getfd": "allowed", "pidfd_getfd_error": None},
+        "gpu_error": None, "versions": {"cupy": "14", "driver_cuda": "13.0", "runtime": "13.0"},
         "gpus": [{"ordinal": 0, "name": "G", "uuid": "GPU-0", "memory_bytes": 2**30, "compute_capability": "9.0",
                   "unified_addressing": True, "async_engines": 4, "concurrent_kernels": True,
                   "compute_mode": "default"}],
@@ -111,6 +111,12 @@ def _report(**changes):
     ({"open_files__soft": 1024, "open_files__hard": 1024}, "open-file limit 1024", "a higher hard limit"),
     ({"modes__0__works": False, "modes__0__cause": "the driver could not map", "modes__0__remedy": "--ipc=host"},
      "legacy failed", "--ipc=host"),
+    ({"ptrace__pidfd_getfd": "refused", "ptrace__pidfd_getfd_error": "EPERM"}, "pidfd_getfd refused (EPERM)",
+     "allow_ptrace_from_any"),
+    ({"ptrace__pidfd_getfd": "refused", "ptrace__pidfd_getfd_error": "EPERM", "ptrace__ptrace_scope": 2},
+     "pidfd_getfd refused", "cupy_ipc.send_handle"),
+    ({"versions__driver_cuda": "12.4", "versions__runtime": "12.9"}, "older than the runtime",
+     "update the NVIDIA driver"),
 ])
 def test_each_problem_has_a_cause_and_a_remedy(changes, what, remedy):
     report = _report(**changes)
@@ -121,12 +127,22 @@ def test_each_problem_has_a_cause_and_a_remedy(changes, what, remedy):
     assert problem["remedy"] in text
 
 
+def test_gpus_without_peer_access_are_a_problem_with_a_remedy():
+    report = _report()
+    report["gpus"].append({**report["gpus"][0], "ordinal": 1, "uuid": "GPU-1"})
+    report["peer_access"] = [[None, False], [True, None]]
+    report["problems"] = _problems(report)
+    check_schema(report)
+    [problem] = report["problems"]
+    assert problem["what"] == "GPU 0 has no peer access to GPU 1" and "open(copy=True)" in problem["remedy"]
+
+
 def test_render_fits_one_screen_and_gives_a_verdict():
     ok = render(_report())
     assert len(ok.splitlines()) <= 24 and ok.endswith("verdict: every available mode works")
-    assert "GPU 0 120 µs" in ok and "pidfd_getfd from another process: refused (EPERM)" in ok
+    assert "GPU 0 120 µs" in ok and "pidfd_getfd from another process: allowed" in ok
     bad = render(_report(modes__0__works=False, modes__0__detail="IpcError: x", modes__0__cause="c",
-                         modes__0__remedy="r"))
+                         modes__0__remedy="r", ptrace__pidfd_getfd="refused", ptrace__pidfd_getfd_error="EPERM"))
     assert "FAILS: IpcError: x" in bad and bad.endswith("does NOT work here")
 
 
@@ -142,6 +158,17 @@ def test_doctor_on_a_gpu_reports_every_available_mode_working():
     assert all(us > 0 for us in legacy["round_trip_us"].values())
     text = _doctor()
     assert text.returncode == 0 and "verdict: every available mode works" in text.stdout
+
+
+@pytest.mark.gpu
+def test_a_report_without_the_self_tests_calls_no_mode_failed():
+    # A mode not tested ("works": None) was reported as failed, with no cause or remedy.
+    from cupy_ipc._doctor import build_report
+
+    report = build_report(self_test=False)
+    check_schema(report)
+    assert all(m["works"] is None for m in report["modes"] if m["available"])
+    assert not [p for p in report["problems"] if "self-test" in p["what"]]
 
 
 def test_segments_without_any_writable_directory_are_reported_not_raised(monkeypatch):
