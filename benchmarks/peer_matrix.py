@@ -77,7 +77,7 @@ def markdown(cells: list[list[Any]]) -> str:
         shown = []
         for c in row:
             if "error" in c:
-                shown.append("no peer access")
+                shown.append("no peer access" if "no peer access" in c["error"] else f"failed: {c['error']}")
             else:
                 shown.append(f"{c['gbps']:.0f} GB/s" + ("" if c["values_ok"] else " (WRONG VALUES)"))
         lines.append(f"| GPU {i} | " + " | ".join(shown) + " |")

@@ -41,6 +41,7 @@ from roundtrip import (  # noqa: E402 - the benchmark modules sit next to this s
     new_buffer,
     open_raw,
     raw_handle,
+    receive,
 )
 
 PRODUCER = ("_array_handle._template", "_array_handle._memory_handle", "_cuda.legacy_info", "_cuda.pointer_info",
@@ -207,6 +208,7 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=consumer, args=(child, idle, no_gc, profile), daemon=True)
     proc.start()
+    child.close()  # ours: a consumer that dies then ends our wait
     out: dict[tuple[str, bool], dict[str, list[float]]] = {}
     try:
         for method, options in METHODS.items():
@@ -232,7 +234,7 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
                             data = cupy_ipc.get_ipc_handle(arr, **options).to_bytes()
                     t1 = time.perf_counter_ns()
                     conn.send((method, data, nbytes, resent))
-                    value, steps, theirs = conn.recv()
+                    value, steps, theirs = receive(conn, proc, 600, "the steps consumer")
                     t2 = time.perf_counter_ns()
                     if value != 1.0:
                         raise RuntimeError(f"{method}: read {value}")
@@ -251,8 +253,13 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
                         free_buffers(method)
                 out[(method, resent)] = rows
     finally:
-        conn.send(None)
+        try:
+            conn.send(None)
+        except OSError:  # the consumer died: its error is the one to see
+            pass
         proc.join(10)
+        if proc.is_alive():
+            proc.kill()
     profiles.report("producer", iters + 20)
     return out
 

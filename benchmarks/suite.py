@@ -115,6 +115,28 @@ def all_gather_run(ranks: int, iters: int) -> dict[str, Any]:
 STEPS = ("roundtrip", "paired", "events", "bandwidth", "peer_matrix", "all_gather")
 
 
+def failures(name: str, result: Any) -> list[str]:
+    """What a step that ran reports as wrong: values read wrong, an open that failed for another reason than
+    a missing peer access (which the matrix shows), a peer read that failed.
+
+    Example:
+        >>> failures("peer_matrix", [[{"gbps": 1.0, "values_ok": True}, {"error": "... no peer access ..."}],
+        ...                          [{"error": "... no peer access ..."}, {"gbps": 1.0, "values_ok": False}]])
+        ['GPU 1 read wrong values of GPU 1']
+    """
+    wrong = []
+    if name == "peer_matrix":
+        for i, row in enumerate(result):
+            for j, cell in enumerate(row):
+                if "error" in cell and (i == j or "no peer access" not in cell["error"]):
+                    wrong.append(f"GPU {j} could not open GPU {i}'s array: {cell['error']}")
+                elif "error" not in cell and not cell["values_ok"]:
+                    wrong.append(f"GPU {j} read wrong values of GPU {i}")
+    elif name == "bandwidth" and "peer_error" in result and "has no peer access" not in result["peer_error"]:
+        wrong.append(f"the peer read failed: {result['peer_error']}")
+    return wrong
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4KiB,1MiB,64MiB,1GiB")
@@ -168,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     if env["gpus"] > 1 and importlib.util.find_spec("torch") is not None:
         counts = [n for n in (2, 4, 8) if n <= env["gpus"]]
         steps.append(("all_gather", lambda: [all_gather_run(n, args.all_gather_iters) for n in counts]))
+    for name in only:  # asked for by name, and this machine cannot run it: a failure, not a quiet omission
+        if args.only is not None and name not in {n for n, _ in steps}:
+            doc["errors"][name] = "cannot run here: it needs 2 or more GPUs (all_gather: and PyTorch)"
     steps = [(name, step) for name, step in steps if name in only]
     for i, (name, step) in enumerate(steps, 1):
         t = time.perf_counter()
@@ -177,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # record it, run the other steps
             doc["errors"][name] = f"{type(e).__name__}: {e}"
             print(f"[{i}/{len(steps)}] {name} FAILED: {e}", flush=True)
+        else:
+            if wrong := failures(name, doc[name]):  # it ran, and some of what it read was wrong
+                doc["errors"][name] = "; ".join(wrong)
+                print(f"[{i}/{len(steps)}] {name} FAILED: {doc['errors'][name]}", flush=True)
         print(f"[{i}/{len(steps)}] {name} took {time.perf_counter() - t:.0f} s", flush=True)
     with open(os.path.join(args.out, "suite.json"), "w") as f:
         json.dump(doc, f, indent=1)

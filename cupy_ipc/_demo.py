@@ -51,7 +51,10 @@ def _timed(label: str, fn: Callable[[], T], rows: list[tuple[str, float]]) -> T:
 def _expect(conn: Any, tag: str) -> tuple[Any, ...]:
     if not conn.poll(120):
         raise TimeoutError(f"the consumer did not answer ({tag}) within 120 s")
-    msg = conn.recv()
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"the consumer process ended without answering ({tag})") from None
     if msg[0] == "error":
         raise RuntimeError(f"consumer failed: {msg[1]}")
     if msg[0] != tag:
@@ -74,6 +77,7 @@ def run_demo() -> int:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(child,), daemon=True)
     _timed("start a consumer process (spawn)", proc.start, rows)
+    child.close()  # ours: a consumer that dies then ends our wait at once (EOF), not after its time-out
     try:
         base = cupy.arange(4096 * 4096, dtype=cupy.float32).reshape(4096, 4096)
         view = base[::2, 1::2]  # a strided view inside a pool block: the offset matters

@@ -12,6 +12,11 @@
 # 2, 4 and 8 ranks (results in $CHECK_DIR/results-groups, leaving benchmarks/results alone).
 set -u
 cd "$(dirname "$0")/.."
+PART=${PART:-all}
+case "$PART" in
+    all|tests|tools|groups) ;;
+    *) echo "unknown PART=$PART: choose all, tests, tools or groups"; exit 2 ;;
+esac
 PACK=${OUT:-}
 OUT=${CHECK_DIR:-/tmp/cupy_ipc-check}
 rm -rf "$OUT"  # a machine kept warm between calls still has the last call's logs: the summary reads only this one's
@@ -35,8 +40,7 @@ nvidia-smi -L
 $PY -c "import cupy, cuda.bindings; print('cupy', cupy.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 
 set -o pipefail
-PART=${PART:-all}
-gpu_rc=0 cpu_rc=0 demo_rc=0 doctor_rc=0 bench_rc=0 nb_rc=0
+gpu_rc=0 cpu_rc=0 demo_rc=0 doctor_rc=0 bench_rc=0 nb_rc=0 steps_rc=0
 # Every step has a time limit, so that one that hangs leaves time for the others.
 if [ "$PART" = groups ]; then
     # 270 + 60 + 250 s: one device call of at most 600 s.
@@ -63,6 +67,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     doctor_rc=$?
 fi
 if [ "$PART" = all ] || [ "$PART" = tools ]; then
+    rm -f benchmarks/results/suite.* benchmarks/results/*.png  # the committed run's: never passed off as this one's
     PYTHONPATH="$SITE" timeout 330 $PY benchmarks/suite.py --watchdog 320 \
         --methods ${BENCH_METHODS:-bare,raw,cupy_ipc,cupy_ipc-nosync,cupy_ipc-unsafe,mp,pool,vmm,torch,staging} \
         --sizes ${BENCH_SIZES:-4KiB,1MiB,64MiB,1GiB} --iters ${BENCH_ITERS:-900} --rounds ${BENCH_ROUNDS:-3} \
@@ -71,6 +76,7 @@ if [ "$PART" = all ] || [ "$PART" = tools ]; then
     mkdir -p "$OUT/results" && cp benchmarks/results/suite.* benchmarks/results/*.png "$OUT/results/" 2>/dev/null
     # Where a message's time goes, step by step on each side.
     timeout 90 $PY benchmarks/steps.py --iters 300 > "$OUT/steps.log" 2>&1
+    steps_rc=$?
     PYTHONPATH="$SITE" timeout 150 $PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
     nb_rc=$?
 fi
@@ -82,8 +88,8 @@ echo "gpu tests: $(last "$OUT/gpu-tests.log")"
 echo "cpu tests: $(last "$OUT/cpu-tests.log")"
 [ -f "$OUT/notebooks.log" ] && tail -n 1 "$OUT/notebooks.log" || echo "notebooks: not run (PART=$PART)"
 ran() { [ -f "$OUT/$1" ] && echo "exit $2" || echo "not run (PART=$PART)"; }
-echo "demo: $(ran demo.log $demo_rc); doctor: $(ran doctor.log $doctor_rc); benchmark suite: $(ran bench.log $bench_rc)"
+echo "demo: $(ran demo.log $demo_rc); doctor: $(ran doctor.log $doctor_rc); benchmark suite: $(ran bench.log $bench_rc); steps: $(ran steps.log $steps_rc)"
 [ -f "$OUT/doctor.log" ] && tail -n 12 "$OUT/doctor.log"
 [ -n "$PACK" ] && tar -czf "$PACK/check.tgz" -C "$OUT" .
 [ $gpu_rc -eq 0 ] && [ $cpu_rc -eq 0 ] && [ $demo_rc -eq 0 ] && [ $doctor_rc -eq 0 ] && [ $nb_rc -eq 0 ] \
-    && [ $bench_rc -eq 0 ]
+    && [ $bench_rc -eq 0 ] && [ $steps_rc -eq 0 ]
