@@ -92,7 +92,8 @@ def test_markdown_reports_each_part():
         "errors": {"x": "boom"},
     }
     doc["peer_matrix"] = [[{"gbps": 4000.0, "values_ok": True}, {"gbps": 390.0, "values_ok": True}],
-                          [{"error": "no peer"}, {"gbps": 4100.0, "values_ok": True}]]
+                          [{"error": "GPU 1 cannot reach GPU 0: there is no peer access between them"},
+                           {"gbps": 4100.0, "values_ok": True}]]
     doc["paired"] = [{"bytes": n, "iters": 3, "methods": ["raw", "cupy_ipc"], "cases": {
         "re-sent": {"median_us": {"raw": 80.0, "cupy_ipc": 120.0}, "paired": {"cupy_ipc ÷ raw": 1.46}}}}
         for n in (1 << 20, 1 << 30)]
@@ -106,6 +107,16 @@ def test_markdown_reports_each_part():
     assert "| 1 GiB, 3 messages each | raw µs | cupy_ipc µs | cupy_ipc ÷ raw |" in text
     assert "| re-sent | 80.0 | 120.0 | 1.46 |" in text
     assert "| cupy_ipc.IpcEvent | 70.0 |" in text and "99.0% (target ≥ 98%)" in text and "**x failed:** boom" in text
+
+
+def test_a_step_that_read_wrong_values_or_failed_to_open_is_a_failure():
+    suite = _benchmark_module("suite")
+    ok, no_peer = {"gbps": 1.0, "values_ok": True}, {"error": "GPU 1 ...: there is no peer access between them"}
+    assert suite.failures("peer_matrix", [[ok, no_peer], [no_peer, ok]]) == []
+    assert suite.failures("peer_matrix", [[{"error": "CUDA failed"}, ok], [ok, {**ok, "values_ok": False}]]) == [
+        "GPU 0 could not open GPU 0's array: CUDA failed", "GPU 1 read wrong values of GPU 1"]
+    assert suite.failures("bandwidth", {"peer_error": "GPU 1 has no peer access to GPU 0"}) == []
+    assert suite.failures("bandwidth", {"peer_error": "IpcError: x"}) == ["the peer read failed: IpcError: x"]
 
 
 @pytest.mark.gpu
