@@ -41,8 +41,9 @@ def test_a_pool_array_that_the_garbage_collector_frees_inside_the_librarys_code_
 
 
 def test_a_pool_array_released_on_the_librarys_thread_is_unmapped_there(remote):
-    # That thread has made no runtime call, so it has no CUDA context: the driver's free of the import failed
-    # there, and the claim went all the same (the producer could free what was still imported here).
+    # That thread may have made no runtime call, and so have no CUDA context, which the driver's calls ask for:
+    # the unmap makes the mapping's GPU current there. (On an H200 with driver 580 the free succeeded without
+    # it too; a failed free would leave the import, and the claim would still go.)
     import cupy_ipc
 
     pool, a = _shareable()
