@@ -56,7 +56,9 @@ Example:
 from __future__ import annotations
 
 import functools
+import importlib
 import multiprocessing as _mp
+import sys
 import threading
 import warnings
 import weakref
@@ -77,8 +79,15 @@ __all__ = [*_mp.__all__, "init_reductions", "set_message_lease"]  # noqa: PLE060
 
 
 def __getattr__(name: str) -> Any:
-    # Submodules and anything else of the standard module (mp.pool, mp.reduction, ...).
-    return getattr(_mp, name)
+    # Submodules and anything else of the standard module (mp.pool, mp.reduction, ...): a submodule not
+    # imported yet is imported, as `import multiprocessing.pool` would.
+    try:
+        return getattr(_mp, name)
+    except AttributeError:
+        try:
+            return importlib.import_module(f"multiprocessing.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'cupy_ipc.multiprocessing' has no attribute {name!r}") from None
 
 
 _warned_fork = False
@@ -91,18 +100,18 @@ def _warn_if_fork_default() -> None:
     _warned_fork = True
     method = _mp.get_start_method(allow_none=True) or _mp.get_all_start_methods()[0]
     if method == "fork":
-        warnings.warn(
-            "the default multiprocessing start method is 'fork', and a child forked after CUDA was "
-            "initialized cannot use the GPU arrays sent to it; use get_context('spawn') or "
-            "get_context('forkserver'), or call set_start_method('spawn') once at start-up",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        text = ("the default multiprocessing start method is 'fork', and a child forked after CUDA was "
+                "initialized cannot use the GPU arrays sent to it; use get_context('spawn') or "
+                "get_context('forkserver'), or call set_start_method('spawn') once at start-up")
+        try:
+            warnings.warn(text, RuntimeWarning, stacklevel=4)  # (the caller of the pickler)
+        except Exception:  # noqa: BLE001 - a filter that makes it an error: raised here, it would lose the message
+            print(f"RuntimeWarning: {text}", file=sys.stderr)
 
 
 # --- errors while pickling ---------------------------------------------------------
 def _errors_reach_the_receiver(reduce: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """A reducer whose ``IpcError`` reaches the receiver when raised on a queue's feeder thread.
+    """A reducer whose error reaches the receiver when raised on a queue's feeder thread.
 
     A queue pickles on that thread, which can only print the error and drop
     the message: the receiver would wait forever. It gets the error instead;
@@ -114,10 +123,10 @@ def _errors_reach_the_receiver(reduce: Callable[[Any], Any]) -> Callable[[Any], 
     def wrapper(obj: Any) -> Any:
         try:
             return reduce(obj)
-        except IpcError as e:
+        except Exception as e:  # any: the feeder thread would only print it and drop the message
             if threading.current_thread().name != "QueueFeederThread" or _feeder_handles_errors():
                 raise
-            raise _Refused(f"{type(obj).__module__}.{type(obj).__qualname__}", str(e), e.cuda_error) from None
+            raise _Refused(f"{type(obj).__module__}.{type(obj).__qualname__}", e) from None
 
     return wrapper
 
@@ -129,11 +138,16 @@ class _Refused(Exception):
 
 
 class _Refusal:
-    def __init__(self, *why: Any) -> None:
-        self.why = why
+    """What the receiver unpickles instead of a refused message: the error, raised there, with its type and
+    attributes if it is one of the library's (they pickle whole), else as an :class:`IpcError` with its text."""
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        if not isinstance(error, IpcError):
+            error = IpcError(f"{type(error).__name__}: {error}")
+        self.what, self.error = what, error
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _raise_received, self.why
+        return _raise_received, (self.what, self.error)
 
 
 def _feeder_handles_errors() -> bool:
@@ -147,8 +161,9 @@ def _feeder_handles_errors() -> bool:
     return False
 
 
-def _raise_received(what: str, text: str, cuda_error: str | None) -> Any:
-    raise IpcError(f"the sender could not share a {what} put on this queue: {text}", cuda_error=cuda_error)
+def _raise_received(what: str, error: IpcError) -> Any:
+    error.args = (f"the sender could not share a {what} put on this queue: {error}",)
+    raise error  # caught by its type, as the sender would have caught it (a ClosedError, say)
 
 
 # --- messages that fail to pickle ---------------------------------------------------
@@ -196,7 +211,9 @@ _message_lease: float | None = None
 
 def set_message_lease(seconds: float | None) -> float | None:
     """Revoke an array this process sends from now on if it is not received within ``seconds``; returns the
-    old setting (each process has its own: a worker that returns arrays sets its own).
+    old setting (each process has its own: a worker that returns arrays sets its own). "From now on": every
+    array pickled after the call, and a queue pickles on its feeder thread, shortly after ``put()``: an array
+    put just before a change may get the new setting.
 
     An array sent through a queue, pipe or pool stays pinned here until its
     receiver has opened it and is done with it. One that is never received

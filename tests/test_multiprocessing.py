@@ -106,6 +106,68 @@ def test_a_refusal_on_a_queues_feeder_thread_reaches_the_receiver(unshareable):
         q.join_thread()
 
 
+class _Closed:
+    """Stands for an IpcEvent closed before it was put on a queue."""
+
+
+class _Broken:
+    """Stands for an object whose reducer fails with an error that is not the library's."""
+
+
+@mp._errors_reach_the_receiver
+def _closed(obj: _Closed) -> None:
+    raise cupy_ipc.ClosedError("this IpcEvent is closed")
+
+
+@mp._errors_reach_the_receiver
+def _broken(obj: _Broken) -> None:
+    raise OSError(24, "Too many open files")
+
+
+@pytest.fixture
+def closed_and_broken():
+    multiprocessing.reduction.ForkingPickler.register(_Closed, _closed)
+    yield from _registered(_Broken, _broken)
+    multiprocessing.reduction.ForkingPickler._extra_reducers.pop(_Closed, None)
+
+
+def test_any_error_on_a_queues_feeder_thread_reaches_the_receiver_with_its_type(closed_and_broken):
+    # Only IpcError was sent on: any other error was printed by the feeder and the message dropped, so the
+    # receiver waited for ever; and a ClosedError arrived as a plain IpcError, not to be caught by its type.
+    q = multiprocessing.get_context("spawn").Queue()
+    try:
+        q.put(_Closed())
+        q.put(_Broken())
+        q.put("next")
+        with pytest.raises(cupy_ipc.ClosedError, match="could not share a .*_Closed.*: this IpcEvent is closed"):
+            q.get(timeout=10)
+        with pytest.raises(cupy_ipc.IpcError, match="could not share a .*_Broken.*OSError: .*Too many open files"):
+            q.get(timeout=10)
+        assert q.get(timeout=10) == "next"
+    finally:
+        q.close()
+        q.join_thread()
+
+
+def test_the_fork_warning_made_an_error_does_not_lose_the_message(monkeypatch, capfd):
+    # With warnings as errors, the warning raised on the feeder thread dropped the message it was pickling.
+    monkeypatch.setattr(mp, "_warned_fork", False)
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "fork")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp._warn_if_fork_default()  # printed instead of raised
+    assert "start method is 'fork'" in capfd.readouterr().err
+
+
+def test_the_submodules_of_the_standard_module_are_reached_through_the_drop_in():
+    done = subprocess.run([sys.executable, "-c", "import cupy_ipc.multiprocessing as mp; "
+                           "print(mp.pool.Pool.__module__, mp.shared_memory.__name__)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["multiprocessing.pool", "multiprocessing.shared_memory"], done.stderr
+
+
 def test_a_refusal_elsewhere_is_raised_to_the_sender(unshareable):
     a, b = multiprocessing.Pipe()
     with a, b, pytest.raises(cupy_ipc.IpcError, match="managed memory"):
