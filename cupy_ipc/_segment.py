@@ -154,7 +154,10 @@ class Segment:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ProducerExitedError(
-                f"the producer process (pid {pid}) has exited: its segment {path} is gone", pid=pid
+                f"the producer process (pid {pid}) has exited: its segment {path} is gone (or it was made where "
+                "this process does not look: in another container that does not share /dev/shm, or in the "
+                "temporary directory of a producer without a writable /dev/shm; see `python -m cupy_ipc doctor`)",
+                pid=pid,
             ) from None
         except OSError as e:  # too many open files, say
             raise IpcError(f"cannot open the segment of the producer process (pid {pid}): {e.strerror}") from e
