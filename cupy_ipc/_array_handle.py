@@ -47,8 +47,8 @@ _NO_HANDLE = bytes(64)
 # Memory handles by the driver's buffer id, which is never reused in a process,
 # so a new array in an allocation exported before skips cudaIpcGetMemHandle;
 # and the other way, so that a handle of ours sent back to us by another
-# process opens our own memory (CUDA refuses to import it in its own process,
-# and a pool would import as ours, to be freed and destroyed as another's).
+# process opens our own memory (CUDA refuses a legacy handle in its own
+# process, and imports a pool's allocation again, at a second address).
 # An allocation still here is never forgotten: past _HANDLE_CACHE_SIZE, each
 # new entry looks at the two oldest, dropping them if their allocation is gone
 # and sending them to the back of the line if not, so the table holds at most
