@@ -26,6 +26,7 @@ producer killed with SIGKILL is seen as gone at once.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import multiprocessing.util
@@ -33,7 +34,7 @@ import os
 import struct
 import tempfile
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 
@@ -106,16 +107,24 @@ class Segment:
         except OSError as e:
             raise IpcError(f"cannot create the segment {path}: {e.strerror}") from e
         seg = cls(fd, token, path, owner=True)
-        try:
+        # Unlinked if this fails, or every later export would find the file there and fail.
+        with seg._closed_on_failure(f"set up the segment {path}", unlink=True):
             seg.lock(ALIVE, READ)
             seg._grow(_DATA_START + _INITIAL_SLOTS * _RECORD.size)
             seg._remap()
-        except BaseException as e:
-            seg.close(unlink=True)  # or every later export would find the file there and fail
-            if isinstance(e, OSError):
-                raise IpcError(f"cannot set up the segment {path}: {e.strerror}") from e
-            raise
         return seg
+
+    @contextlib.contextmanager
+    def _closed_on_failure(self, what: str, *, unlink: bool = False) -> Iterator[None]:
+        """Close (and ``unlink``) this segment if the block raises; an ``OSError`` becomes an :class:`IpcError`
+        saying it could not ``what``."""
+        try:
+            yield
+        except BaseException as e:
+            self.close(unlink=unlink)
+            if isinstance(e, OSError):
+                raise IpcError(f"cannot {what}: {e.strerror}") from e
+            raise
 
     def _grow(self, size: int) -> None:
         # Allocated, not only sized: a full /dev/shm then fails here with ENOSPC, where a sparse file would
@@ -162,13 +171,8 @@ class Segment:
         except OSError as e:  # too many open files, say
             raise IpcError(f"cannot open the segment of the producer process (pid {pid}): {e.strerror}") from e
         seg = cls(fd, token, path, owner=False)
-        try:
+        with seg._closed_on_failure(f"map the segment of the producer process (pid {pid})"):
             seg._remap()
-        except BaseException as e:
-            seg.close()
-            if isinstance(e, OSError):
-                raise IpcError(f"cannot map the segment of the producer process (pid {pid}): {e.strerror}") from e
-            raise
         return seg
 
     def close(self, *, unlink: bool = False) -> None:
