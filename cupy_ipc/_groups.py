@@ -228,41 +228,36 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
             mine = get_ipc_handle(array, consumers=peers)
         except Exception as e:  # reported to every rank below: raising alone would leave the others waiting
             error = f"rank {rank} could not share its array: {type(e).__name__}: {e}"
-    try:
-        everything = engine.handles(mine.to_bytes() if mine is not None else None)
-    except BaseException:  # the group itself failed (a peer died, a timeout): no peer will open it
-        if mine is not None:
-            mine.release()
-        raise
-    failed = error is not None
-    if peers and device is None and not failed:
-        try:
-            import cupy
-
-            device = cupy.cuda.runtime.getDevice()
-        except Exception as e:  # reported to every rank below
-            error, failed = f"rank {rank} could not find its current GPU: {type(e).__name__}: {e}", True
     arrays: list[Any] = [None] * size
     handles: list[IpcArrayHandle] = []
     arrays[rank] = array
-    for r in local:
-        if failed:
-            break
-        if r == rank:
-            continue
-        if everything[r] is None:  # that rank could not share its array: its own message says why
-            failed = True
-            break
-        try:
-            h = IpcArrayHandle.from_bytes(everything[r])
-            arrays[r] = h.open(device=device, copy=copy)
-            handles.append(h)
-        except Exception as e:  # reported to every rank below
-            error = f"rank {rank} could not open rank {r}'s array: {type(e).__name__}: {e}"
-            failed = True
-    result = Gathered(rank, arrays, handles)
-    gave_up = True  # until every rank has said that it succeeded (or the group itself failed)
+    result = Gathered(rank, arrays, handles)  # filled in below
+    gave_up = True  # until every rank has said that it succeeded (or the group itself failed under us)
     try:
+        everything = engine.handles(mine.to_bytes() if mine is not None else None)
+        failed = error is not None
+        if peers and device is None and not failed:
+            try:
+                import cupy
+
+                device = cupy.cuda.runtime.getDevice()
+            except Exception as e:  # reported to every rank below
+                error, failed = f"rank {rank} could not find its current GPU: {type(e).__name__}: {e}", True
+        for r in local:
+            if failed:
+                break
+            if r == rank:
+                continue
+            if everything[r] is None:  # that rank could not share its array: its own message says why
+                failed = True
+                break
+            try:
+                h = IpcArrayHandle.from_bytes(everything[r])
+                arrays[r] = h.open(device=device, copy=copy)
+                handles.append(h)
+            except Exception as e:  # reported to every rank below
+                error = f"rank {rank} could not open rank {r}'s array: {type(e).__name__}: {e}"
+                failed = True
         gave_up = engine.failed(failed)
         if gave_up:  # only then are the messages gathered
             raise IpcError("all_gather failed: " + "; ".join(e for e in engine.objects(error) if e))
