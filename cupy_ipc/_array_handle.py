@@ -881,10 +881,10 @@ class IpcArrayHandle:
                 )
         if stream is not None:
             stream_obj = _cuda.as_cupy_stream(stream)
-            if stream_obj.ptr not in (0, 1, 2) and _cuda.stream_device(stream_obj.ptr) != target:
+            if stream_obj.ptr not in (0, 1, 2) and (owner := _cuda.stream_device(stream_obj.ptr)) != target:
                 # Its work could not be ordered, nor the release recorded on it: the memory stayed pinned.
-                raise IpcError(f"the stream belongs to GPU {_cuda.stream_device(stream_obj.ptr)}, and the array "
-                               f"is opened on GPU {target}: pass a stream of GPU {target}, or open it there")
+                raise IpcError(f"the stream belongs to GPU {owner}, and the array is opened on GPU {target}: "
+                               f"pass a stream of GPU {target}, or open it there")
         elif target == current:
             stream_obj = cupy.cuda.get_current_stream()
         else:
