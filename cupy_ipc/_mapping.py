@@ -514,6 +514,9 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
     except Exception as e:  # destructor path: keep the memory pinned rather than raise
         warn_quietly(f"could not order the release of a mapping: {e}")
         return
+    except BaseException:  # Ctrl-C in the stream query, say: released on the library's thread once the GPU is idle
+        _reaper.later(_finish, mapping_key, claim_key, after=_reaper.WHOLE_DEVICE, device=device)
+        raise
     if done is None and not defer:  # the consumer's work on the memory is done
         _finish(mapping_key, claim_key)
     else:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from . import _cuda
 from ._errors import warn_quietly
 
-__all__ = ["collecting", "later", "now_or_later", "start"]
+__all__ = ["WHOLE_DEVICE", "collecting", "later", "now_or_later", "start"]
 
 # Made before anything that may hand work here exists: putting on a SimpleQueue is safe in a finalizer, where
 # taking a lock (to make one, or to start the thread) is not.
@@ -64,6 +64,16 @@ def start() -> None:
             _running = True
 
 
+class _WholeDevice:
+    """An ``after`` for :func:`later` that waits for all the GPU's work, where no event of the work is known."""
+
+    def synchronize(self) -> None:
+        _cuda.rt().deviceSynchronize()
+
+
+WHOLE_DEVICE = _WholeDevice()
+
+
 def later(then: Callable[..., Any], *args: Any, after: Any = None, device: int = 0) -> None:
     """Have the thread call ``then(*args)``, once the CUDA event ``after`` (of GPU ``device``), if any, has
     completed. Safe in a finalizer."""
@@ -86,8 +96,9 @@ def _run(q: "queue.SimpleQueue[Any]") -> None:
             try:
                 runtime.setDevice(device)
                 done.synchronize()
-            except Exception as e:
-                warn_quietly(f"could not wait for a consumer's work: {e}")
+            except Exception as e:  # its work may still read the memory: kept, as a release that cannot order is
+                warn_quietly(f"could not wait for a consumer's work, so its memory stays pinned: {e}")
+                continue
         try:
             then(*args)
         except Exception as e:  # this thread serves every later release: it must not end

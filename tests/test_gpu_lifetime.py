@@ -57,6 +57,26 @@ def test_pin_outlives_consumer_gpu_work(remote):
     assert cupy_ipc.pinned() == []
 
 
+def test_a_release_interrupted_by_ctrl_c_still_ends_once_the_consumers_work_is_done(remote):
+    """Ctrl-C in the release's stream query: the release goes on on the library's thread, after the GPU's
+    work (before, the memory stayed pinned until the consumer exited)."""
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    a = cupy.zeros(N, cupy.float32)
+    data = cupy_ipc.get_ipc_handle(a).to_bytes()
+    del a
+    assert consumer.call("spin_then_drop_interrupted", data, 2.0) == "KeyboardInterrupt"
+    assert len(cupy_ipc.pinned()) == 1  # the consumer's kernel still runs
+    deadline = time.monotonic() + 20
+    while cupy_ipc.pinned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cupy_ipc.pinned() == []
+    assert consumer.call("read", cupy_ipc.get_ipc_handle(cupy.ones(N, cupy.float32)).to_bytes()).all()
+
+
 def test_unopened_export_stays_pinned_until_release_or_lease():
     import cupy
 

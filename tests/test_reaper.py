@@ -66,7 +66,8 @@ def test_a_lease_that_the_garbage_collector_frees_defers_the_end_of_its_release(
 
 def test_the_release_thread_outlives_failures_whose_warnings_are_errors():
     # The consumer's thread that waits for GPU work before releasing serves every later release: a failure,
-    # reported as a warning that the filters here turn into an error, must not end it.
+    # reported as a warning that the filters here turn into an error, must not end it. A release whose wait
+    # failed is not made (its work may still read the memory), as one that cannot be ordered is not.
     released = []
 
     class FailingWait:
@@ -77,7 +78,28 @@ def test_the_release_thread_outlives_failures_whose_warnings_are_errors():
         raise RuntimeError("releasing failed")
 
     _reaper.start()
-    _reaper.later(failing_release, after=FailingWait())
-    _reaper.later(released.append, "second", after=FailingWait())
+    _reaper.later(released.append, "unordered", after=FailingWait())
+    _reaper.later(failing_release)
+    _reaper.later(released.append, "second")
     assert _eventually(lambda: released)
     assert released == ["second"]
+
+
+class _Stream:
+    ptr = 0x5000  # not a default stream
+
+
+def test_a_release_interrupted_while_it_orders_is_finished_on_the_librarys_thread_once_the_gpu_is_idle(
+        monkeypatch):
+    # Ctrl-C in the consumer's stream query used to end the release there: the mapping and the claim stayed
+    # until exit. The interrupt still reaches the caller.
+    def interrupted(ptr):
+        raise KeyboardInterrupt
+
+    handed: list[tuple[object, ...]] = []
+    monkeypatch.setattr(_mapping._cuda, "stream_idle", interrupted)
+    monkeypatch.setattr(_reaper, "later", lambda then, *args, after=None, device=0: handed.append(
+        (then, args, after, device)))
+    with pytest.raises(KeyboardInterrupt):
+        _mapping._release(("key",), (b"token", 3), _Stream(), 1)
+    assert handed == [(_mapping._finish, (("key",), (b"token", 3)), _reaper.WHOLE_DEVICE, 1)]

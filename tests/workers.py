@@ -301,6 +301,33 @@ def spin_then_drop(data: bytes, seconds: float) -> None:
     gc.collect()
 
 
+def spin_then_drop_interrupted(data: bytes, seconds: float) -> str:
+    """As :func:`spin_then_drop`, with Ctrl-C arriving in the release's stream query; returns the name of what
+    the dropping reported (a destructor's exception is reported, not raised)."""
+    import sys
+
+    from cupy_ipc import IpcArrayHandle, _cuda
+
+    warm_up()
+    arr = IpcArrayHandle.from_bytes(data).open()
+    spin(seconds)
+    arr += 1
+    seen: list[str] = []
+    hook, query = sys.unraisablehook, _cuda.stream_idle
+
+    def interrupted(ptr: int) -> bool:
+        raise KeyboardInterrupt
+
+    sys.unraisablehook = lambda unraisable: seen.append(type(unraisable.exc_value).__name__)
+    _cuda.stream_idle = interrupted
+    try:
+        del arr
+        gc.collect()
+    finally:
+        sys.unraisablehook, _cuda.stream_idle = hook, query
+    return ",".join(seen)
+
+
 def read_after_event(arr_data: bytes, event_data: bytes, wait: bool) -> np.ndarray:
     """Open an array and an event; read with or without waiting on the event."""
     import cupy
