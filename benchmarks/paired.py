@@ -102,7 +102,7 @@ def run(methods: list[str], nbytes: int, iters: int, warmup: int) -> dict[str, A
     """Fresh, then re-sent: ``iters`` messages of every method (rounded up to whole runs), in rounds of one run
     of each; medians and paired ratios. ``warmup`` rounds of one message each come first."""
     check_methods(methods)
-    methods = [m for m in methods if roundtrip.available(m)]
+    methods = roundtrip.runnable(methods)
     if not methods:
         raise ValueError("none of the methods named can run here")
     roundtrip.load_reductions(methods)

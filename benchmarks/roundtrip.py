@@ -400,14 +400,27 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
             proc.kill()
 
 
-def available(method: str) -> bool:
+def unavailable(method: str) -> str | None:
+    """Why ``method`` cannot run here, or ``None``."""
     if method != "torch":
-        return True
+        return None
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return "PyTorch is not installed"
+    return None if torch.cuda.is_available() else "PyTorch sees no CUDA device"
+
+
+def runnable(methods: list[str]) -> list[str]:
+    """``methods`` less those that cannot run here, each of those named on stderr with the reason."""
+    kept = []
+    for method in methods:
+        reason = unavailable(method)
+        if reason is None:
+            kept.append(method)
+        else:
+            print(f"{method}: left out ({reason})", file=sys.stderr, flush=True)
+    return kept
 
 
 def environment() -> dict[str, Any]:
@@ -462,7 +475,7 @@ def run(sizes: list[int], methods: list[str], iters: int, rounds: int, warmup: i
     unknown = [m for m in methods if m not in METHODS and m not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join((*METHODS, *VARIANTS))}")
-    methods = [m for m in methods if available(m)]
+    methods = runnable(methods)
     cases = [(nbytes, method, resent) for nbytes in sizes for method in methods for resent in (False, True)
              if not (method == "bare" and resent)]
     samples: dict[tuple[int, str, bool], list[float]] = {case: [] for case in cases}

@@ -34,7 +34,6 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from roundtrip import (  # noqa: E402 - the benchmark modules sit next to this script
-    available,
     close_raw,
     free_buffers,
     fresh_buffer,
@@ -42,6 +41,7 @@ from roundtrip import (  # noqa: E402 - the benchmark modules sit next to this s
     open_raw,
     raw_handle,
     receive,
+    runnable,
 )
 
 PRODUCER = ("_array_handle._template", "_array_handle._memory_handle", "_cuda.legacy_info", "_cuda.pointer_info",
@@ -211,9 +211,8 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
     child.close()  # ours: a consumer that dies then ends our wait
     out: dict[tuple[str, bool], dict[str, list[float]]] = {}
     try:
-        for method, options in METHODS.items():
-            if not available(method):
-                continue
+        for method in runnable(list(METHODS)):
+            options = METHODS[method]
             for resent in (False, True):
                 rows: dict[str, list[float]] = collections.defaultdict(list)
                 arr = new_buffer(method, nbytes, 1)  # "pool": of a ShareableMemoryPool, else CuPy's pool
