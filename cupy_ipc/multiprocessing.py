@@ -29,8 +29,10 @@ receiver's ``get()`` raises the error instead and later messages still arrive.
 
 A message that fails to pickle part-way (an unpicklable object after an
 array, say) never leaves, and the exports of the arrays pickled before the
-failure are released at once (the pickler's ``dump`` is wrapped for that).
-An array that is sent but never received stays pinned in the sender, unless
+failure are released at once (the pickler's ``dump`` is wrapped for that);
+so are those of a message whose send fails (a pipe whose receiver died:
+connections' ``send`` and ``send_bytes`` are wrapped too). An array that is
+sent but never received stays pinned in the sender, unless
 :func:`set_message_lease` gave it a lease.
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
@@ -58,6 +60,7 @@ from __future__ import annotations
 import functools
 import importlib
 import multiprocessing as _mp
+import multiprocessing.connection as _connection
 import sys
 import threading
 import warnings
@@ -174,35 +177,84 @@ _in_message = threading.local()
 _plain_dump = ForkingPickler.dump
 
 
+def _release_all(exports: list[Any]) -> None:
+    for h in exports:
+        try:
+            h.release()
+        except Exception:  # noqa: BLE001 - the caller's error is the one to raise
+            pass
+
+
 def _dump(pickler: ForkingPickler, obj: Any) -> None:
     outer = getattr(_in_message, "exports", None)
     _in_message.exports = exports = []
     try:
         _plain_dump(pickler, obj)
     except BaseException:
-        for h in exports:
-            try:
-                h.release()
-            except Exception:  # noqa: BLE001 - the pickling error is the one to raise
-                pass
+        _release_all(exports)
         raise
     finally:
         _in_message.exports = outer
     if outer is not None:  # pickled inside another message (by a reducer), whose failure releases these too
         outer.extend(exports)
+    else:  # a whole message: its exports, for the send that follows (see _send_bytes)
+        _in_message.dumped = exports or None
 
 
 _plain_dumps = ForkingPickler.dumps.__func__  # type: ignore[attr-defined]
 
 
 def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
-    # What a queue's feeder thread pickles each message with.
+    # What a queue's feeder thread pickles each message with, and Connection.send.
+    _in_message.dumped = None
     try:
-        return _plain_dumps(cls, obj, protocol)
+        buf = _plain_dumps(cls, obj, protocol)
     except _Refused as e:
         if getattr(_in_message, "exports", None) is not None:  # a part of another message: refused whole
             raise
-        return _plain_dumps(cls, _Refusal(*e.args), protocol)
+        buf = _plain_dumps(cls, _Refusal(*e.args), protocol)
+    exports, _in_message.dumped = getattr(_in_message, "dumped", None), None
+    if getattr(_in_message, "exports", None) is None:  # (a message pickled inside another: that one is sent)
+        _in_message.pickled = None if exports is None else (buf, exports)
+    return buf
+
+
+# --- messages that are not sent -------------------------------------------------------
+# A message pickled whole and then not sent (a pipe whose receiver died: BrokenPipeError) would leave its
+# arrays pinned for good: no receiver will open them. Its exports are kept (per thread) from its pickling to
+# its send, and released if the send fails. Only on an error of the send itself: an interrupt (Ctrl-C) may
+# come once the message has left, and its receiver must still be able to open it.
+_plain_send = _connection._ConnectionBase.send
+_plain_send_bytes = _connection._ConnectionBase.send_bytes
+
+
+def _send(conn: Any, obj: Any) -> None:
+    _in_message.pickled = None
+    try:
+        _plain_send(conn, obj)
+    except Exception:
+        pickled = _in_message.pickled
+        if pickled is not None:
+            _release_all(pickled[1])
+        raise
+    finally:
+        _in_message.pickled = None
+
+
+def _send_bytes(conn: Any, buf: Any, offset: int = 0, size: int | None = None) -> None:
+    # Queues, SimpleQueues and pools send the bytes that dumps() made just before, on the same thread.
+    pickled = getattr(_in_message, "pickled", None)
+    if pickled is not None and pickled[0] is not buf:
+        pickled = None  # other bytes
+    try:
+        _plain_send_bytes(conn, buf, offset, size)
+    except Exception:
+        if pickled is not None:
+            _release_all(pickled[1])
+        raise
+    finally:
+        if pickled is not None:
+            _in_message.pickled = None
 
 
 # --- cupy.ndarray ----------------------------------------------------------------
@@ -343,6 +395,8 @@ def init_reductions() -> None:
     ForkingPickler.dump = _dump  # type: ignore[method-assign]  # every message, by Connection.send,
     # queues (dumps) and a spawned Process's arguments (reduction.dump)
     ForkingPickler.dumps = classmethod(_dumps)  # type: ignore[assignment,method-assign]
+    _connection._ConnectionBase.send = _send  # type: ignore[method-assign]  # pipes, and the queues' writers
+    _connection._ConnectionBase.send_bytes = _send_bytes  # type: ignore[method-assign]
     _registered = True
 
 

@@ -477,6 +477,24 @@ def test_a_message_that_fails_to_pickle_releases_the_arrays_it_exported(ctx):
     q.join_thread()
 
 
+def test_an_array_whose_send_fails_is_not_left_pinned(ctx):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(256, cupy.float32)
+    before = {p.export_id for p in cupy_ipc.pinned()}
+    here, there = ctx.Pipe()
+    there.close()  # a receiver that died
+    with pytest.raises(OSError):
+        here.send(a)
+    q = ctx.SimpleQueue()
+    q._reader.close()
+    with pytest.raises(OSError):
+        q.put([a, a[1:]])
+    assert {p.export_id for p in cupy_ipc.pinned()} - before == set()
+
+
 def test_a_message_lease_ends_the_pin_of_an_array_nobody_received_in_time(ctx):
     import time
 

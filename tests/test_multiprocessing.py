@@ -35,6 +35,7 @@ def test_registration_is_idempotent_and_only_for_multiprocessing():
     assert reducers[cupy.cuda.Event] is mp._reduce_cupy_event
     assert reducers[cupy_ipc.IpcEvent] is mp._reduce_ipc_event
     assert multiprocessing.reduction.ForkingPickler.dump is mp._dump
+    assert multiprocessing.connection.Connection.send is mp._send
     assert cupy.ndarray not in copyreg.dispatch_table  # what pickle.dumps consults
 
 
@@ -228,6 +229,34 @@ def test_a_message_that_fails_to_pickle_releases_its_exports(exported):
         dumps(_Nested([inner, lambda: 0]))
     assert inner.released
     assert getattr(mp._in_message, "exports", None) is None  # nothing left over for the next message
+
+
+def test_a_message_whose_send_fails_releases_its_exports(exported):
+    # A pipe or queue whose receiver has gone: the message never leaves, so nobody will open its arrays.
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    there.close()
+    lost = _Exported()
+    with pytest.raises(OSError):
+        here.send([lost, 1])
+    assert lost.released
+    q = ctx.SimpleQueue()  # pickles, then sends the bytes (as queues' feeders and pools do)
+    q._reader.close()
+    lost = _Exported()
+    with pytest.raises(OSError):
+        q.put([lost])
+    assert lost.released
+    # Delivered: kept for its receiver, also when a later send of other bytes on this thread fails.
+    here, there = ctx.Pipe()
+    sent = _Exported()
+    here.send([sent])
+    assert there.recv() == [[]]
+    pickled = multiprocessing.reduction.ForkingPickler.dumps([sent])
+    there.close()
+    with pytest.raises(OSError):
+        here.send_bytes(b"other bytes")
+    assert not sent.released
+    del pickled
 
 
 def test_a_refusal_on_a_queues_feeder_thread_releases_what_its_message_exported(unshareable, exported):
