@@ -336,7 +336,7 @@ def _descriptor_mode(usable: list[int], mode: dict[str, Any], self_test: bool, a
                      allocator: Any) -> dict[str, Any]:
     """A mode shared by descriptor: unavailable (and why), self-tested with ``allocator()``, or not tested."""
     try:
-        missing = _descriptor_support(usable, attribute, what) if usable else "no GPU admits a second process"
+        missing = _descriptor_support(usable, attribute, what) if usable else "no GPU admits a process"
     except Exception as e:  # noqa: BLE001 - the check itself failed: the mode cannot be said to work
         return {**mode, "works": False, "detail": f"{type(e).__name__}: {e}", "cause": str(e),
                 "remedy": "run `python -m cupy_ipc demo` to see the failing step; check the items above"}
@@ -378,11 +378,17 @@ def _problems(report: dict[str, Any]) -> list[dict[str, str]]:
                     "another TMPDIR, may not see",
                     "remedy": "mount /dev/shm writable (in a container: --ipc=host or --shm-size)" if read_only
                     else "share /dev/shm between the processes (--ipc=host)"})
+    legacy_works = any(m["name"] == "legacy" and m["works"] is True for m in report["modes"])
     for g in report["gpus"]:
-        if g["compute_mode"] in ("exclusive-process", "exclusive-thread", "prohibited"):
+        # An exclusive GPU served by MPS admits its clients, whose sharing the self-test then shows working.
+        if g["compute_mode"] == "prohibited" or (g["compute_mode"] != "default" and not legacy_works):
+            cause = "no process can open a context on it" if g["compute_mode"] == "prohibited" else (
+                "a second process cannot open a context on it unless an MPS server serves both")
             out.append({"what": f"GPU {g['ordinal']} compute mode {g['compute_mode']}",
-                        "cause": "a second process cannot open a context on it, so no consumer can map its memory",
-                        "remedy": f"nvidia-smi -i {g['ordinal']} -c DEFAULT (as root)"})
+                        "cause": f"{cause}, so no consumer can map its memory",
+                        "remedy": f"nvidia-smi -i {g['ordinal']} -c DEFAULT (as root), or start the MPS server "
+                        "(nvidia-cuda-mps-control -d)" if g["compute_mode"] != "prohibited"
+                        else f"nvidia-smi -i {g['ordinal']} -c DEFAULT (as root)"})
         if not g["unified_addressing"]:
             out.append({"what": f"GPU {g['ordinal']} without unified addressing",
                         "cause": "CUDA IPC needs unified virtual addressing", "remedy": "use a 64-bit Linux host"})
@@ -459,10 +465,11 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
     if report["gpu_error"] is None:
         report["gpus"] = _gpus()
         report["peer_access"] = _peer_matrix(len(report["gpus"]))
-        usable = [g["ordinal"] for g in report["gpus"] if g["compute_mode"] == "default"]
+        # Exclusive GPUs are tried too: under MPS they admit several processes, and the self-test tells.
+        usable = [g["ordinal"] for g in report["gpus"] if g["compute_mode"] != "prohibited"]
         if not usable:
-            legacy = {**_LEGACY, "works": False, "detail": "no GPU admits a second process",
-                      "cause": "every GPU is in an exclusive or prohibited compute mode",
+            legacy = {**_LEGACY, "works": False, "detail": "no GPU admits a process",
+                      "cause": "every GPU is in the prohibited compute mode",
                       "remedy": "nvidia-smi -c DEFAULT (as root)"}
         elif self_test:
             legacy = _self_test(usable, _LEGACY)

@@ -105,7 +105,7 @@ def _report(**changes):
      "/dev/shm read-only", "mount /dev/shm writable"),
     ({"segments__shared_memory": False, "segments__dir": "/tmp", "segments__dev_shm": "missing"},
      "no /dev/shm", "--ipc=host"),
-    ({"gpus__0__compute_mode": "exclusive-process"}, "compute mode exclusive-process", "nvidia-smi -i 0 -c DEFAULT"),
+    ({"gpus__0__compute_mode": "prohibited"}, "compute mode prohibited", "nvidia-smi -i 0 -c DEFAULT"),
     ({"start_method__default": "fork", "start_method__available": ["fork", "spawn"]}, "'fork'", "spawn"),
     ({"open_files__soft": 1024, "open_files__hard": 524288}, "open-file limit 1024", "ulimit -n 524288"),
     ({"open_files__soft": 1024, "open_files__hard": 1024}, "open-file limit 1024", "a higher hard limit"),
@@ -125,6 +125,17 @@ def test_each_problem_has_a_cause_and_a_remedy(changes, what, remedy):
     assert what in problem["what"] and remedy in problem["remedy"]
     text = render(report)
     assert problem["remedy"] in text
+
+
+def test_an_exclusive_gpu_is_a_problem_unless_the_self_test_shared_memory_on_it():
+    # Under MPS, clients of an exclusive-process GPU can share memory: the self-test, run there too, tells.
+    assert _report(gpus__0__compute_mode="exclusive-process")["problems"] == []
+    report = _report(gpus__0__compute_mode="exclusive-process", modes__0__works=False,
+                     modes__0__cause="cudaErrorDevicesUnavailable", modes__0__remedy="r")
+    check_schema(report)
+    problem = report["problems"][0]
+    assert problem["what"] == "GPU 0 compute mode exclusive-process"
+    assert "MPS" in problem["cause"] and "nvidia-smi -i 0 -c DEFAULT" in problem["remedy"]
 
 
 def test_gpus_without_peer_access_are_a_problem_with_a_remedy():
