@@ -966,6 +966,11 @@ class IpcArrayHandle:
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
                         lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]), len(pieces))
+        if importer is not None and self._fd is None and self._server is not None and (
+                not _mapping.known(key) if f.kind == Kind.VMM else _pools.received_fd(*pool_key) is None):
+            # The descriptors the import will need, asked of the producer now, outside the library's lock: a
+            # producer slow to answer must not hold up the opens and releases of this process's other arrays.
+            self._adopt_descriptors(list(self._take_fds() or ()))
         last_try = claimed is not None
         if last_try:
             claimed[0] = True  # type: ignore[index]

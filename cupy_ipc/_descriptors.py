@@ -22,8 +22,8 @@ from typing import Any, Iterable
 
 from ._errors import IpcError, ProducerExitedError
 
-__all__ = ["allow_ptrace_from_any", "close_all", "close_quietly", "dup_all", "ptrace_scope", "recv_fds", "recv_handle",
-           "send_handle", "take_fd"]
+__all__ = ["allow_ptrace_from_any", "close_all", "close_quietly", "dup_all", "not_inherited", "ptrace_scope",
+           "recv_fds", "recv_handle", "send_handle", "take_fd"]
 
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture Linux has
 _PR_SET_PTRACER = 0x59616D61
@@ -45,6 +45,23 @@ def close_all(fds: Iterable[int]) -> None:
     """:func:`close_quietly` each of ``fds``."""
     for fd in fds:
         close_quietly(fd)
+
+
+def not_inherited(fd: int) -> int:
+    """``fd``, made close-on-exec (as descriptors this process receives are): one the driver made for an
+    export, kept open while the memory is shared, must not keep that memory alive in programs started here.
+
+    Example:
+        >>> r, w = os.pipe2(0)
+        >>> os.get_inheritable(not_inherited(r))
+        False
+        >>> os.close(r); os.close(w)
+    """
+    try:
+        os.set_inheritable(fd, False)
+    except OSError as e:
+        raise IpcError(f"could not mark an exported descriptor close-on-exec: {os.strerror(e.errno or 0)}") from e
+    return fd
 
 
 def dup_all(fds: Iterable[int]) -> list[int]:
@@ -221,6 +238,8 @@ def _check_socket(sock: Any, what: str) -> None:
         raise TypeError(f"{what} needs a socket, not {type(sock).__name__}")
     if sock.family != socket.AF_UNIX:
         raise IpcError(f"{what} needs an AF_UNIX socket, not {sock.family!r}")
+    if sock.type != socket.SOCK_STREAM:  # a message socket drops what a read leaves of a message
+        raise IpcError(f"{what} needs a SOCK_STREAM socket, not {sock.type!r}")
 
 
 def recv_handle(sock: socket.socket) -> Any:

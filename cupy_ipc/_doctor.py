@@ -220,7 +220,7 @@ def _sent(kind: str, device: int, handle: Any) -> tuple[str, int, bytes, bytes |
     from .multiprocessing import _exported
 
     descriptors = getattr(handle, "_descriptors", lambda: [])()
-    return kind, device, handle.to_bytes(), _fdserver.serve(_exported) if descriptors else None
+    return kind, device, handle.to_bytes(), _fdserver.serve(_exported, handle._f.resource) if descriptors else None
 
 
 def _ask(conn: Any, proc: Any, msg: Any) -> Any:

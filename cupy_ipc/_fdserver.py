@@ -9,15 +9,17 @@ no more than their bytes. ``SCM_RIGHTS`` needs no ptrace permission.
 
 The socket is in the abstract namespace, named after the producer's random
 token, where any process can see its name. So it serves only processes of the
-same user (or root) that present the server's random secret, which travels
-with the handle's bytes, and only the descriptors that back the memory a
-request names (by the id of the pool or run of pieces in the handle): never
-a descriptor whose number was reused for other memory since the handle left.
+same user (or root) that present the key of the memory they ask for (by the id
+of the pool or run of pieces in the handle), made from the server's random
+secret and that id and sent with the handle's bytes: a process that received
+one array gets no other memory's descriptors. It hands out only the
+descriptors that back that memory: never a descriptor whose number was reused
+for other memory since the handle left.
 
 Example:
     >>> import os
     >>> r, w = os.pipe()
-    >>> address = serve(lambda fds, resource: fds == [r] and resource == 7)
+    >>> address = serve(lambda fds, resource: fds == [r] and resource == 7, 7)
     >>> got = fetch(address, os.getpid(), [r], 7)
     >>> os.path.samestat(os.fstat(got[0]), os.fstat(r))
     True
@@ -41,17 +43,23 @@ from typing import Callable
 from ._descriptors import close_all, dup_all, recv_fds
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 from ._identity import this_process
+from ._wire import MAX_DESCRIPTORS
 
 __all__ = ["fetch", "retire", "serve", "served"]
 
 _COUNT = struct.Struct("<I")  # an answer: how many descriptors come with it (0: refused)
 _SECRET_BYTES = 16
-_REQUEST = struct.Struct(f"<{_SECRET_BYTES}sIQ")  # the secret, the count, the resource; then the numbers (i32)
+_REQUEST = struct.Struct(f"<{_SECRET_BYTES}sIQ")  # the resource's key, the count, the resource; then the numbers
+_RESOURCE = struct.Struct("<Q")
 TIMEOUT_S = 30.0  # for a producer's answer
 _RETRY_S = 0.05  # before accepting again after a failed accept
 _TRUNCATED = ("descriptors sent to this process were dropped on receipt: it is at its open-file limit "
               "(raise it with ulimit -n, or resource.setrlimit(RLIMIT_NOFILE))")
-_MAX = 253  # SCM_MAX_FD: descriptors per message
+_PER_MESSAGE = 253  # SCM_MAX_FD: descriptors per message; an answer with more comes in several
+_MAX = MAX_DESCRIPTORS  # per request: as many as a handle has
+_FIRST_S = 5.0  # for a new connection's first request: one that sends none is closed
+_IDLE_S = 300.0  # between requests: an idle connection is closed (its consumer reconnects when it asks again)
+_MAX_SERVED = 1024  # connections served at once; more are closed at once
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 _lock = threading.Lock()
@@ -69,9 +77,14 @@ def _name(token: bytes) -> bytes:
     return b"\0cupy_ipc-fd-" + token.hex().encode()
 
 
-def serve(allowed: Callable[[list[int], int], bool]) -> bytes:
-    """Start this process's descriptor server (once) and return its address, for :func:`fetch`: the socket's
-    name and the secret a request must carry. Send it only to the processes meant to have the descriptors.
+def _key(secret: bytes, resource: int) -> bytes:
+    return hmac.digest(secret, _RESOURCE.pack(resource), "sha256")[:_SECRET_BYTES]
+
+
+def serve(allowed: Callable[[list[int], int], bool], resource: int = 0) -> bytes:
+    """Start this process's descriptor server (once) and return its address for the memory exported under id
+    ``resource``, for :func:`fetch`: the socket's name and the key a request for that memory must carry.
+    Send it only to the processes meant to have that memory's descriptors.
 
     ``allowed(fds, resource)`` says whether descriptors ``fds`` (numbers in
     this process) back the memory this process exports under id ``resource``
@@ -82,14 +95,14 @@ def serve(allowed: Callable[[list[int], int], bool]) -> bytes:
     with _lock:
         _allowed = allowed
         if _server is not None:
-            return _server[0] + _server[2]
+            return _server[0] + _key(_server[2], resource)
         name, secret = _name(this_process().token), secrets.token_bytes(_SECRET_BYTES)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(name)
         listener.listen(64)
         _server = (name, listener, secret)
     threading.Thread(target=_accept, args=(listener, secret), name="cupy_ipc-fd-server", daemon=True).start()
-    return name + secret
+    return name + _key(secret, resource)
 
 
 def _accept(listener: socket.socket, secret: bytes) -> None:
@@ -105,11 +118,13 @@ def _accept(listener: socket.socket, secret: bytes) -> None:
             continue
         try:
             pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-            if uid not in (os.geteuid(), 0):  # the rule pidfd_getfd would apply, less ptrace_scope
+            with _lock:
+                full = len(_accepted) >= _MAX_SERVED
+                if uid in (os.geteuid(), 0) and not full:  # the rule pidfd_getfd would apply, less ptrace_scope
+                    _accepted.add(conn)
+            if conn not in _accepted:
                 conn.close()
                 continue
-            with _lock:
-                _accepted.add(conn)
             threading.Thread(target=_answer, args=(conn, secret), name=f"cupy_ipc-fd-server-{pid}",
                              daemon=True).start()
         except (OSError, RuntimeError):  # gone already, or no thread to serve it: the consumer sees it closed
@@ -142,7 +157,7 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 def _answer(conn: socket.socket, secret: bytes) -> None:
-    """Serve one consumer's requests: the secret, a count, the resource, then that many descriptor numbers;
+    """Serve one consumer's requests: the resource's key, a count, the resource, then that many descriptor numbers;
     the answer is the count of descriptors sent (0: refused) with the descriptors."""
     try:
         _serve_requests(conn, secret)
@@ -153,25 +168,35 @@ def _answer(conn: socket.socket, secret: bytes) -> None:
 
 
 def _serve_requests(conn: socket.socket, secret: bytes) -> None:
+    # Time-outs (an OSError) close a connection that sends no request at first, or none for a long time: any
+    # process of this user may connect, and each connection holds a thread here.
+    conn.settimeout(_FIRST_S)
     while True:
         try:
             head = _recv_exactly(conn, _REQUEST.size)
             if not head:
                 return
+            conn.settimeout(_IDLE_S)
             presented, n, resource = _REQUEST.unpack(head)
             if not 0 < n <= _MAX:
                 return
             numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
+            if not hmac.compare_digest(presented, _key(secret, resource)):  # not sent that memory: refused, no more
+                conn.sendall(_COUNT.pack(0))
+                return
             with _sending:
-                sent = hmac.compare_digest(presented, secret) and _checked_allowed(numbers, resource)
+                sent = _checked_allowed(numbers, resource)
                 if sent:
                     # Without waiting, holding the lock: a consumer that leaves its answers unread is dropped.
-                    socket.send_fds(conn, [_COUNT.pack(n)], numbers, socket.MSG_DONTWAIT)
+                    # Each message of the answer says how many descriptors it carries.
+                    for k in range(0, n, _PER_MESSAGE):
+                        part = numbers[k:k + _PER_MESSAGE]
+                        socket.send_fds(conn, [_COUNT.pack(len(part))], part, socket.MSG_DONTWAIT)
             if sent:
                 _count(n)
             else:
                 conn.sendall(_COUNT.pack(0))
-        except (OSError, struct.error):  # the consumer went away, or sent garbage
+        except (OSError, struct.error):  # the consumer went away, sent garbage, or nothing in time
             return
 
 
@@ -213,8 +238,8 @@ def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(TIMEOUT_S)  # a producer that is alive but does not answer must not hang us
     try:
-        sock.connect(name)
-        # Any process may bind a name in the abstract namespace once the producer has gone: the secret and
+        _connect(sock, name)
+        # Any process may bind a name in the abstract namespace once the producer has gone: the key and
         # our trust go only to the producer itself (the process that listens there, as the kernel says).
         server_pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     except OSError as e:
@@ -236,6 +261,22 @@ def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
     if hit[1] is not sock:
         sock.close()
     return hit
+
+
+def _connect(sock: socket.socket, name: bytes) -> None:
+    """Connect, waiting up to :data:`TIMEOUT_S` while the producer's queue of connections to accept is full
+    (a socket with a time-out is non-blocking, and on a Unix socket that fails at once with EAGAIN)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(name)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise TimeoutError(errno.ETIMEDOUT, "the producer accepted no connection in time") from None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
 
 def _prune_connections() -> None:
@@ -288,14 +329,14 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
         raise IpcError(f"cannot ask for {len(numbers)} descriptors at once (1 to {_MAX})")
     if len(address) <= _SECRET_BYTES:
         raise IpcError("not a descriptor server's address")
-    name, secret = address[:-_SECRET_BYTES], address[-_SECRET_BYTES:]
-    request = _REQUEST.pack(secret, len(numbers), resource) + struct.pack(f"<{len(numbers)}i", *numbers)
+    name, key = address[:-_SECRET_BYTES], address[-_SECRET_BYTES:]
+    request = _REQUEST.pack(key, len(numbers), resource) + struct.pack(f"<{len(numbers)}i", *numbers)
     for attempt in (0, 1):  # a connection may have broken since its last use: one retry on a new one
         lock, sock = _connection(name, pid)
         with lock:
             try:
                 sock.sendall(request)
-                head, fds, flags = recv_fds(sock, _COUNT.size, _MAX)
+                state, fds, truncated = _answer_of(sock, len(numbers))
             except BaseException as e:
                 # Interrupted or failed between request and answer: an answer may still come, which the next
                 # request on this connection would take as its own. So it is closed before anyone else may
@@ -308,19 +349,14 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
                     raise
                 if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # EBADF: another thread closed it
                     raise IpcError(f"asking producer process {pid} for descriptors failed: {e}") from e
-                head, fds, flags = b"", [], 0
-        if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors it could not install here
-            for fd in fds:
-                os.close(fd)
+                state, fds, truncated = "closed", [], False
+        if state == "given" and not truncated:
+            return fds
+        close_all(fds)
+        if truncated:  # the kernel dropped descriptors it could not install here
             raise IpcError(_TRUNCATED)
-        if len(head) == _COUNT.size:
-            if _COUNT.unpack(head)[0] == len(numbers) == len(fds):
-                return fds
-            for fd in fds:
-                os.close(fd)
+        if state == "refused":
             raise IpcError(f"producer process {pid} no longer shares this memory (it refused its descriptors)")
-        for fd in fds:
-            os.close(fd)
         _forget_connection(name, sock)  # broken
         if attempt == 0 and _alive(pid):
             continue
@@ -328,6 +364,28 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
     if not _alive(pid):
         raise ProducerExitedError(f"producer process {pid} has exited", pid=pid)
     raise IpcError(f"producer process {pid} closed the connection instead of sending descriptors")
+
+
+def _answer_of(sock: socket.socket, n: int) -> tuple[str, list[int], bool]:
+    """The answer to a request for ``n`` descriptors: ``(state, descriptors, truncated)``, the state "given"
+    (all ``n``), "refused" (a message carrying none, or other than its count says) or "closed" (the connection
+    ended). Each of its messages carries at most 253 and says how many."""
+    fds: list[int] = []
+    truncated = False
+    try:
+        while True:
+            head, more, flags = recv_fds(sock, _COUNT.size, _PER_MESSAGE)
+            fds += more
+            truncated |= bool(flags & socket.MSG_CTRUNC)
+            if len(head) != _COUNT.size:
+                return "closed", fds, truncated
+            if truncated or not more or _COUNT.unpack(head)[0] != len(more) or len(fds) > n:
+                return "refused", fds, truncated
+            if len(fds) == n:
+                return "given", fds, truncated
+    except BaseException:
+        close_all(fds)
+        raise
 
 
 def _forget_connection(name: bytes, sock: socket.socket) -> None:

@@ -523,6 +523,11 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
         _reaper.later(_finish, mapping_key, claim_key, after=done, device=device)
 
 
+def known(key: tuple[Any, ...]) -> bool:
+    """Whether this process maps ``key``'s memory now, in use or idle (without the lock: a hint)."""
+    return key in _active or key in _idle
+
+
 def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_size: int,
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any, stream_device: int, memory_device: int,

@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable
 
 from . import _cuda, _fdserver, _reaper, _segment
-from ._descriptors import close_quietly
+from ._descriptors import close_quietly, not_inherited
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 
 __all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received_fd", "release_exited",
@@ -73,7 +73,7 @@ def export(ptr: int, pool: int) -> tuple[bytes, int, int]:
         if hit is None:
             err, fd = driver.cuMemPoolExportToShareableHandle(driver.CUmemoryPool(pool), _cuda.posix_fd(), 0)
             _cuda.check("exporting the memory pool", err)
-            hit = _exports[pool] = (int(fd), next(_ids))
+            hit = _exports[pool] = (not_inherited(int(fd)), next(_ids))
     err, data = driver.cuMemPoolExportPointer(ptr)
     _cuda.check("exporting the pool allocation", err)
     return ctypes.string_at(data.getPtr(), EXPORT_BYTES), hit[0], hit[1]

@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from . import _cuda, _fdserver, _fork, _reaper
-from ._descriptors import close_quietly
+from ._descriptors import close_quietly, not_inherited
 from ._errors import IpcError, warn_quietly
 from ._wire import MAX_PIECES
 
@@ -99,6 +99,7 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
             raise IpcError(NOT_SHAREABLE)
         err, fd = driver.cuMemExportToShareableHandle(handle, _cuda.posix_fd(), 0)
         _cuda.check("exporting the allocation", err)
+        not_inherited(int(fd))
     finally:
         driver.cuMemRelease(handle)
     with _lock:
@@ -215,6 +216,9 @@ def export_pieces(lo: int, hi: int, device: int) -> list[tuple[int, int, int, in
     pieces = []
     at = lo
     while at < hi:
+        if len(pieces) > MAX_PIECES:  # before exporting one more: the exports of a refused array would stay
+            raise IpcError(f"the array spans more than {MAX_PIECES + 1} pieces of virtual memory, the most that "
+                           "can be shared: copy it into one array first")
         try:
             base, size = _cuda.address_range(at)
         except IpcError as e:
@@ -223,9 +227,6 @@ def export_pieces(lo: int, hi: int, device: int) -> list[tuple[int, int, int, in
         fd, alloc_id = export(base, buffer_id)
         pieces.append((base, size, fd, alloc_id, buffer_id))
         at = base + size
-    if len(pieces) > MAX_PIECES + 1:
-        raise IpcError(f"the array spans {len(pieces)} pieces of virtual memory; at most {MAX_PIECES + 1} can be "
-                       "shared: copy it into one array first")
     return pieces
 
 
@@ -271,15 +272,15 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
     The descriptors stay open while the mapping lives, so that an array of it can be sent on (:func:`export`
     adopts them); :func:`unmap` closes the others.
     """
-    runtime = _cuda.rt()
     from ._descriptors import take_fd
 
-    driver = _driver()
-    runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
     given_fds = list(given) if given is not None else []
     fds: list[int] = []
     handles: list[tuple[Any, int]] = []
+    driver = None
     try:
+        driver = _driver()
+        _cuda.rt().setDevice(device)  # the driver calls below need the device's context current on this thread
         for k, (number, size) in enumerate(pieces):
             fd = given_fds[k] if k < len(given_fds) else take_fd(pid, number)
             if k < len(given_fds):
@@ -288,7 +289,7 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
             err, handle = driver.cuMemImportFromShareableHandle(fd, _cuda.posix_fd())
             _cuda.check("importing the producer's allocation", err)
             handles.append((handle, size))
-    except BaseException:
+    except BaseException:  # the descriptors received too: each would keep the producer's memory alive
         _close(fds + given_fds)
         for handle, _ in handles:
             driver.cuMemRelease(handle)

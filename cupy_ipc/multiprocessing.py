@@ -299,7 +299,7 @@ def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
         # Memory shared by descriptor: the receiver asks this process's descriptor server for them, over a
         # Unix socket (no ptrace permission needed), only when it lacks them: a pool it imported before
         # needs nothing more than these bytes.
-        return _rebuild_ndarray, (h.to_bytes(), _fdserver.serve(_exported))
+        return _rebuild_ndarray, (h.to_bytes(), _fdserver.serve(_exported, h._f.resource))
     return _rebuild_ndarray, (h.to_bytes(),)
 
 

@@ -189,6 +189,19 @@ def test_send_handle_refuses_other_sockets_and_recv_reports_a_closed_peer():
         cupy_ipc.recv_handle(b)
 
 
+@pytest.mark.parametrize("kind", [socket.SOCK_SEQPACKET, socket.SOCK_DGRAM], ids=["seqpacket", "dgram"])
+def test_message_sockets_are_refused_rather_than_left_waiting(kind):
+    # A read of the header alone drops the rest of a message: recv_handle waited for ever for the handle.
+    a, b = socket.socketpair(socket.AF_UNIX, kind)
+    with a, b:
+        with pytest.raises(IpcError, match="SOCK_STREAM"):
+            cupy_ipc.send_handle(a, _pool_handle())
+        a.send(b"message")
+        with pytest.raises(IpcError, match="SOCK_STREAM"):
+            cupy_ipc.recv_handle(b)
+        assert b.recv(100) == b"message"  # left as it was
+
+
 def test_two_threads_closing_a_received_handle_close_its_descriptor_once(monkeypatch):
     # The second close used to find the descriptor still there while the first closed it: closed twice, the
     # second time it may be another file's number by then.

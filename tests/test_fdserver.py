@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -117,9 +119,115 @@ def test_several_descriptors_in_one_request():
         fetch(name, os.getpid(), [])
 
 
+def test_more_descriptors_than_one_message_carries_come_in_several():
+    # A run of virtual-memory pieces may have up to 4097 (PyTorch's expandable segments: one per 20 MiB).
+    fds = [_memfd(f"piece {k}".encode()) for k in range(600)]
+    name = serve(lambda got, resource: got == fds and resource == 1, 1)
+    try:
+        got = fetch(name, os.getpid(), fds, 1)
+        assert [_read(g) for g in got] == [f"piece {k}".encode() for k in range(600)]
+        os_close_all(got)
+        with pytest.raises(IpcError, match="no longer shares this memory"):
+            fetch(name, os.getpid(), fds[::-1], 1)  # other numbers than the run's: refused whole
+        got = fetch(name, os.getpid(), fds, 1)  # and the connection goes on
+        assert len(got) == 600
+        os_close_all(got)
+    finally:
+        os_close_all(fds)
+
+
+def os_close_all(fds):
+    for fd in fds:
+        os.close(fd)
+
+
+def test_a_consumer_waits_while_the_producers_queue_of_connections_is_full():
+    # A socket with a time-out is non-blocking: connect() to a full queue failed at once with EAGAIN, and the
+    # message was lost, where the producer's thread would have accepted it a moment later.
+    from cupy_ipc import _fdserver
+
+    name = b"\0cupy_ipc-test-busy-" + os.urandom(4).hex().encode()
+    fd = _memfd(b"busy")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen(0)
+    queued = []
+    while len(queued) < 8:  # fill the queue
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(name)
+        except BlockingIOError:
+            s.close()
+            break
+        queued.append(s)
+
+    def accept_late():
+        time.sleep(0.5)
+        for s in queued:  # accepted first, then read to their end
+            s.close()
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            if conn.recv(_fdserver._REQUEST.size + 4):
+                socket.send_fds(conn, [_fdserver._COUNT.pack(1)], [fd])
+            conn.close()
+
+    threading.Thread(target=accept_late, daemon=True).start()
+    try:
+        (got,) = fetch(name + bytes(16), os.getpid(), [fd], 1)
+        assert _read(got) == b"busy"
+        os.close(got)
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+        _fdserver._close_connections()
+        os.close(fd)
+
+
+def _ended_by_server(s: socket.socket, within: float = 10.0) -> bool:
+    s.settimeout(within)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_connections_that_send_nothing_or_a_wrong_secret_or_are_too_many_are_closed(monkeypatch):
+    # Any process of this user may connect; each connection served holds a thread and a descriptor.
+    from cupy_ipc import _fdserver
+
+    monkeypatch.setattr(_fdserver, "_FIRST_S", 0.2)
+    address = serve(lambda fds, resource: False)
+    idle = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+    try:
+        for s in idle:
+            s.connect(address[:-16])
+        assert all(_ended_by_server(s) for s in idle)
+        wrong = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.append(wrong)
+        wrong.connect(address[:-16])
+        wrong.sendall(_fdserver._REQUEST.pack(bytes(16), 1, 0) + struct.pack("<i", 0))
+        assert wrong.recv(4) == _fdserver._COUNT.pack(0) and _ended_by_server(wrong)
+        monkeypatch.setattr(_fdserver, "_MAX_SERVED", len(_fdserver._accepted))  # full
+        extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.append(extra)
+        extra.connect(address[:-16])
+        assert _ended_by_server(extra, 2.0)
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_a_request_without_the_servers_secret_or_for_other_memory_is_refused():
     fd = _memfd(b"served")
-    address = serve(lambda fds, resource: fds == [fd] and resource == 42)
+    allowed = {41, 42}
+    address = serve(lambda fds, resource: fds == [fd] and resource in allowed, 42)
     try:
         (got,) = fetch(address, os.getpid(), [fd], 42)
         assert _read(got) == b"served"
@@ -127,9 +235,15 @@ def test_a_request_without_the_servers_secret_or_for_other_memory_is_refused():
         # The socket's name is public (/proc/net/unix); the secret is not.
         with pytest.raises(IpcError, match="no longer shares this memory"):
             fetch(address[:-16] + bytes(16), os.getpid(), [fd], 42)
-        # The right number for other memory: a descriptor number reused since the handle left.
+        # Memory this process exports, but whose key the consumer was not sent (with another array's key).
         with pytest.raises(IpcError, match="no longer shares this memory"):
             fetch(address, os.getpid(), [fd], 41)
+        (got,) = fetch(serve(lambda fds, resource: fds == [fd] and resource in allowed, 41), os.getpid(), [fd], 41)
+        os.close(got)
+        # The right number and key for memory no longer exported: a descriptor number reused since it left.
+        allowed.clear()
+        with pytest.raises(IpcError, match="no longer shares this memory"):
+            fetch(address, os.getpid(), [fd], 42)
         with pytest.raises(IpcError, match="not a descriptor server's address"):
             fetch(b"short", os.getpid(), [fd], 42)
     finally:
@@ -538,3 +652,44 @@ def test_an_exporter_closing_a_descriptor_waits_for_a_request_being_served():
     assert not closing.is_alive() and len(got) == 1
     assert _read(got[0]) == b"exported"
     os.close(got[0])
+
+
+@pytest.mark.parametrize("kind", ["vmm", "pool"])
+def test_descriptors_are_asked_of_the_producer_before_the_librarys_lock_is_taken(kind, monkeypatch):
+    # The import used to ask for them under the lock every open and release takes: a producer slow to answer
+    # (stopped, say) held up this process's opens and releases of every other array for up to 30 s.
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, _fdserver, _mapping, _segment
+    from cupy_ipc._wire import Kind
+
+    fd = _memfd(b"piece")
+    steps: list[str] = []
+    fetch = _fdserver.fetch
+
+    def fetching(*args):
+        steps.append("fetch")
+        return fetch(*args)
+
+    class Stop(Exception):
+        pass
+
+    def acquire(*args, **kwargs):
+        steps.append("acquire")
+        raise Stop
+
+    monkeypatch.setattr(_fdserver, "fetch", fetching)
+    monkeypatch.setattr(_mapping, "acquire", acquire)
+    monkeypatch.setattr(_segment, "attach", lambda token, pid: None)
+    h = IpcArrayHandle(memory_handle=bytes(range(64)), offset=0, allocation_size=64, shape=(16,), strides=(4,),
+                       dtype="float32", device=(0, bytes(16)), producer=(os.getpid(), b"t" * 16, b"b" * 16, "h"),
+                       kind=Kind.POOL if kind == "pool" else Kind.VMM, fd=fd, resource=3)
+    h._ask_producer(serve(lambda fds, resource: fds == [fd] and resource == 3, 3))
+    try:
+        with pytest.raises(Stop):
+            h._mapped(0, 0, cupy.cuda.Stream.null, 0)
+        assert steps == ["fetch", "acquire"]
+        assert _read(h._fd[0]) == b"piece"  # kept by the handle: the import takes copies
+    finally:
+        h.close()
+        os.close(fd)

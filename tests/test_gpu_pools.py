@@ -60,6 +60,7 @@ def test_pool_array_round_trips_as_bytes_through_pidfd_getfd(remote):
     pool, a = _shareable()
     h = cupy_ipc.get_ipc_handle(a)
     assert h.kind == "pool" and pool.used_bytes() >= a.nbytes
+    assert not os.get_inheritable(h._f.fd)  # the exported pool's: programs started here do not keep it
     consumer = remote()
     r = consumer.call("open_pool_bytes", h.to_bytes())
     assert r == {"kind": "pool", "sum": _expected_sum(), "pools_imported": 1}

@@ -25,6 +25,7 @@ def test_vmm_array_round_trips_as_bytes_and_over_a_unix_socket(remote):
     a = vmm_array(N)
     h = cupy_ipc.get_ipc_handle(a)
     assert h.kind == "vmm"
+    assert not os.get_inheritable(h._f.fd)  # the exported piece's: programs started here do not keep it
     consumer = remote()
     r = consumer.call("open_pool_bytes", h.to_bytes())  # any kind: the descriptor taken with pidfd_getfd
     assert r["kind"] == "vmm" and r["sum"] == pytest.approx(EXPECTED, rel=1e-6)
@@ -154,9 +155,8 @@ def test_a_handle_whose_descriptor_number_went_to_other_memory_is_refused(remote
     from workers import vmm_array
 
     consumer = remote()
-    address = _fdserver.serve(_exported)
     old = cupy_ipc.get_ipc_handle(vmm_array(N), keepalive=False, sync=False)  # the array is gone at once
-    data, number = old.to_bytes(), old._f.fd
+    data, number, address = old.to_bytes(), old._f.fd, _fdserver.serve(_exported, old._f.resource)
     del old
     gc.collect()
     cupy.cuda.runtime.deviceSynchronize()
@@ -173,6 +173,7 @@ def test_a_handle_whose_descriptor_number_went_to_other_memory_is_refused(remote
         pytest.fail(f"no export got descriptor number {number} again")
     cupy.cuda.runtime.deviceSynchronize()
     assert "no longer shares this memory" in consumer.call("open_served", data, address)
+    address = _fdserver.serve(_exported, new._f.resource)
     assert consumer.call("open_served", new.to_bytes(), address) == pytest.approx(EXPECTED + N, rel=1e-6)
 
 
@@ -191,13 +192,13 @@ def test_a_waiting_handle_of_several_pieces_is_served_however_many_runs_are_expo
     monkeypatch.setattr(_vmm, "_RUNS_FLOOR", 2)
     monkeypatch.setattr(_vmm, "_runs_prune_at", 2)
     consumer = remote()
-    address = _fdserver.serve(_exported)
     arrays = [vmm_array(2 * N, pieces=2) for _ in range(3)]
     handles = [cupy_ipc.get_ipc_handle(a) for a in arrays]  # the first waits while the others are exported
     assert all(len(h._f.more) == 1 for h in handles)  # runs of two pieces each
     assert len({h._f.resource for h in handles}) == 3 and len(_vmm._runs) == 3
     cupy.cuda.runtime.deviceSynchronize()
     total = float(np.arange(2 * N, dtype=np.float64).sum())
+    address = _fdserver.serve(_exported, handles[0]._f.resource)
     assert consumer.call("open_served", handles[0].to_bytes(), address) == pytest.approx(total, rel=1e-6)
     # A run with a piece freed goes at the next prune (the table holds 3 of a bound of 4 now); the live ones
     # stay.
@@ -210,6 +211,7 @@ def test_a_waiting_handle_of_several_pieces_is_served_however_many_runs_are_expo
     handles += [cupy_ipc.get_ipc_handle(a) for a in arrays[-2:]]
     assert gone not in _vmm._runs.values()
     assert {h._f.resource for h in handles} <= set(_vmm._runs.values())
+    address = _fdserver.serve(_exported, handles[1]._f.resource)
     assert consumer.call("open_served", handles[1].to_bytes(), address) == pytest.approx(total, rel=1e-6)
     for h in handles:
         h.release()
