@@ -360,14 +360,24 @@ def field_ints(values: object, what: str, count: int | None = None) -> tuple[int
 
 
 def readable(data: object, what: str) -> bytes:
-    """``data`` (bytes, a bytearray or a memoryview) as bytes, read once: what is checked is what is kept."""
+    """``data`` (bytes, a bytearray or a memoryview) as bytes, read once: what is checked is what is kept.
+    Longer than any handle: refused before it is copied."""
     if type(data) is bytes:
+        if len(data) > MAX_WIRE_BYTES:
+            raise HandleError(f"{what} is {len(data)} bytes, more than any handle has ({MAX_WIRE_BYTES})")
         return data
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise HandleError(f"{what} must be bytes, not {type(data).__name__}")
     try:
-        return bytes(memoryview(data))  # the buffer itself: a bytes subclass's __bytes__ may say otherwise
-    except (ValueError, TypeError) as e:  # a released memoryview, or one of another format
+        view = memoryview(data)  # the buffer itself: a bytes subclass's __bytes__ may say otherwise
+        size = view.nbytes
+    except (ValueError, TypeError) as e:  # a released memoryview
+        raise HandleError(f"{what} cannot be read: {e}") from None
+    if size > MAX_WIRE_BYTES:
+        raise HandleError(f"{what} is {size} bytes, more than any handle has ({MAX_WIRE_BYTES})")
+    try:
+        return bytes(view)
+    except (ValueError, TypeError) as e:  # a memoryview of another format
         raise HandleError(f"{what} cannot be read: {e}") from None
 
 
@@ -449,7 +459,7 @@ _ARRAY_START = ARRAY_MAGIC + struct.pack("<H", VERSION)
 
 def unpack_array(data: object) -> ArrayFields:
     """Parse and validate an array handle; only :class:`HandleError` escapes."""
-    if type(data) is bytes and len(data) >= ARRAY_HEADER and data[:6] == _ARRAY_START:
+    if type(data) is bytes and ARRAY_HEADER <= len(data) <= MAX_WIRE_BYTES and data[:6] == _ARRAY_START:
         raw = data  # what _header checks, for the common case
     else:
         raw = _header(data, ARRAY_MAGIC, "array handle", ARRAY_HEADER)

@@ -472,3 +472,22 @@ def test_shapes_match_numpy_views():
         assert h.nbytes == v.nbytes
         assert h.size == v.size
         assert math.prod(h.shape) == v.size
+
+
+@pytest.mark.parametrize("make", [bytes, bytearray, lambda b: memoryview(bytes(b))], ids=["bytes", "bytearray",
+                                                                                        "memoryview"])
+@pytest.mark.parametrize("parse", [IpcArrayHandle.from_bytes, IpcEventHandle.from_bytes], ids=["array", "event"])
+def test_bytes_longer_than_any_handle_are_refused_before_they_are_copied(make, parse):
+    # Copied whole (twice, for the layout cache's key) before any length check, 400 MiB raised MemoryError.
+    import tracemalloc
+
+    from cupy_ipc._wire import MAX_WIRE_BYTES
+
+    data = make(b"CIPA\x01\x00" + bytes(8 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(HandleError, match=f"more than any handle has \\({MAX_WIRE_BYTES}\\)"):
+            parse(data)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
