@@ -237,9 +237,11 @@ def _unclaim(key: tuple[bytes, int] | None) -> None:
         return
     c.count -= 1
     if c.count == 0:
-        del _claims[key]
-        if c.seg.fd >= 0:
-            c.seg.unlock(c.lock)
+        try:
+            if c.seg.fd >= 0:
+                c.seg.unlock(c.lock)
+        finally:  # after the unlock: interrupted between the two, no lock is left held without its record
+            del _claims[key]
 
 
 # --- mappings ----------------------------------------------------------------
@@ -470,7 +472,8 @@ class Lease:
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
-        if _exiting or _release is None or self.mapping_key is None:  # (None: abandoned, already let go)
+        # (None: abandoned, already let go; unset: interrupted while it was made, let go by acquire)
+        if _exiting or _release is None or getattr(self, "mapping_key", None) is None:
             return
         if _fork.forked_after_cuda():  # an array inherited by a forked child: its CUDA calls would crash or hang
             return
@@ -480,13 +483,15 @@ class Lease:
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:
     """One user of a mapping, and its claim, fewer (``released``: see :func:`_retire`)."""
     with _lock:
-        m = _active.get(mapping_key)
-        if m is not None:
-            m.users -= 1
-            if not m.users and _retire(mapping_key, m, claim_key, released):
-                return
-        if claim_key is not None:
-            _unclaim(claim_key)
+        kept = False
+        try:
+            m = _active.get(mapping_key)
+            if m is not None:
+                m.users -= 1
+                kept = not m.users and _retire(mapping_key, m, claim_key, released)
+        finally:  # also if interrupted (Ctrl-C in the unmap): a claim left held would pin the memory until exit
+            if claim_key is not None and not kept:
+                _unclaim(claim_key)
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
@@ -562,8 +567,13 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
             finally:
                 _unclaim(claim_key)
             raise
-    return m.ptr, Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
-                        memory_device)
+        try:
+            lease = Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
+                          memory_device)
+        except BaseException:  # interrupted: no lease will let the mapping and claim go
+            _finish(key, claim_key, released=False)
+            raise
+    return m.ptr, lease
 
 
 def count_unclaimed(segment: _segment.Segment, producer_token: bytes, producer_pid: int, export_id: int,

@@ -34,6 +34,7 @@ import os
 import struct
 import tempfile
 import threading
+import weakref
 from typing import Callable, Iterator
 
 from ._errors import IpcError, ProducerExitedError, warn_quietly
@@ -96,6 +97,7 @@ class Segment:
         self.path = path
         self.owner = owner  # only the producer grows its file
         self.mm: mmap.mmap | None = None  # a shared view of the records
+        _every.add(self)
 
     @classmethod
     def create(cls, token: bytes) -> "Segment":
@@ -266,13 +268,13 @@ class Segment:
         if (mm is None or at + _RECORD.size > len(mm)) and not self._reach(at):
             return False  # past the end: never written
         mm = self.mm
-        # self.lock(held, READ), written out: it runs on every open. No consumer takes a write lock there, so
-        # it does not wait.
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(READ, os.SEEK_SET, held, 1, 0))
         try:
+            # self.lock(held, READ), written out: it runs on every open. No consumer takes a write lock there,
+            # so it does not wait. In the try: an interrupt just after it must not leave it held.
+            fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(READ, os.SEEK_SET, held, 1, 0))
             seen, _, state = _RECORD.unpack_from(mm, at)  # type: ignore[arg-type]
         except BaseException:
-            self.unlock(held)
+            self.unlock(held)  # (not held by this process before: the caller's rule)
             raise
         if seen == export_id and state & STATE == PINNED:
             return True
@@ -315,10 +317,14 @@ class Segment:
 
 
 # --- this process's own segment, and the segments of producers it opened from ---
+# Every segment open here, in the tables or not (being set up, or dropped from them but still used): a forked
+# child closes its copies of all of them, whose locks would otherwise outlive this process's death.
+_every: "weakref.WeakSet[Segment]" = weakref.WeakSet()
 _own: Segment | None = None
 _attached: dict[bytes, Segment] = {}
 _create_lock = threading.Lock()
 _making: str | None = None  # the path of this process's segment while it is being created
+_attaching: str | None = None  # the path of another's segment while this process opens it
 _attach_lock = threading.Lock()
 _PRUNE_FROM = 16  # segments attached before those of exited producers are looked for
 _prune_at = _PRUNE_FROM
@@ -361,11 +367,16 @@ def attach(token: bytes, pid: int) -> Segment:
     Raises:
         ProducerExitedError: The producer has exited; its stale file is removed.
     """
+    global _attaching
     with _attach_lock:  # threads open handles concurrently
         seg = _attached.get(token)
         opened = seg is None
         if opened:
-            seg = _attached[token] = Segment.attach(token, pid=pid)
+            _attaching = segment_path(token)
+            try:
+                seg = _attached[token] = Segment.attach(token, pid=pid)
+            finally:
+                _attaching = None
             if len(_attached) >= _prune_at:
                 _prune()
         # seg.producer_alive(), written out: it runs on every open.
@@ -423,17 +434,20 @@ def _prune() -> None:
 def _forget_after_fork() -> None:
     # The child shares the parent's open file descriptions: keeping them would
     # make the parent look alive after it died. Closing our copies drops no lock.
-    global _own, _making, _create_lock, _attach_lock, _prune_at
+    global _own, _making, _attaching, _create_lock, _attach_lock, _prune_at
     _create_lock = threading.Lock()  # another thread may have held one at the fork
     _attach_lock = threading.Lock()
-    if _making is not None:
-        # Another thread was creating our segment: its descriptor, holding the lock of liveness, is not in
-        # the table yet, and kept here it would make the parent look alive after its death.
-        _close_copies_of(_making)
-        _making = None
-    for seg in [_own, *_attached.values()]:
-        if seg is not None:
-            seg.close()  # our copies only; the numbers are never used again
+    for seg in list(_every):
+        try:
+            seg.close()  # our copies (descriptors, and views, which keep the open file too), never used again
+        except Exception:  # noqa: BLE001 - the others must still be closed
+            pass
+    for path in (_making, _attaching):
+        if path is not None:
+            # Another thread was creating our segment, or opening another's: a descriptor not yet a segment's,
+            # whose locks (our liveness, a consumer's in-use) would outlive the parent's death.
+            _close_copies_of(path)
+    _making = _attaching = None
     _own = None
     _attached.clear()
     _prune_at = _PRUNE_FROM

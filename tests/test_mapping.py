@@ -50,3 +50,72 @@ def test_without_an_origin_every_idle_legacy_mapping_of_the_device_goes(idle):
     with _mapping._lock:
         assert _mapping._drop_idle_colliding(0, None) == 1
     assert discarded == [1] and [k[1] for k in _mapping._idle] == [2, 3]
+
+
+# --- interrupts (Ctrl-C) in the consumer's bookkeeping ------------------------------------------------------
+@pytest.fixture
+def producer(monkeypatch):
+    """A producer's segment with export 9 pinned in slot 3, and this process's view of it as a consumer's."""
+    import os
+    import secrets
+
+    from cupy_ipc import _segment
+    from cupy_ipc._segment import ONE_CONSUMER, PINNED, Segment
+
+    token = secrets.token_bytes(16)
+    own, view = Segment.create(token), Segment.attach(token, pid=os.getpid())
+    own.write(3, 9, PINNED | ONE_CONSUMER)
+    monkeypatch.setattr(_mapping, "_active", {})
+    monkeypatch.setattr(_mapping, "_claims", {})
+    monkeypatch.setattr(_mapping, "_idle_limit", 0)
+    yield token, own, view, lambda: own.held_by_other(_segment.in_use(3))
+    view.close()
+    own.close(unlink=True)
+
+
+def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, monkeypatch):
+    # The claim stayed held (the producer's memory pinned) until the consumer exited.
+    import os
+
+    token, own, view, held = producer
+
+    class Runtime:
+        getDevice = staticmethod(lambda: 0)
+
+        def ipcCloseMemHandle(self, ptr):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
+    with _mapping._lock:
+        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
+        m = _mapping._Mapping(0x1000, 0, imported=True)
+        m.users = 1
+        _mapping._active[("k",)] = m
+    assert held()
+    with pytest.raises(KeyboardInterrupt):
+        _mapping._finish(("k",), claim)
+    assert not _mapping._claims and not held()
+
+
+def test_an_open_interrupted_while_its_lease_is_made_lets_the_mapping_and_claim_go(producer, monkeypatch):
+    import os
+
+    token, own, view, held = producer
+    unmapped = []
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping, "Lease", interrupted)
+    monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: unmapped.append(m.ptr))
+    monkeypatch.setattr(_mapping, "_checked", lambda m, *size: m)  # (the driver's mapped size)
+    importer = (lambda: 0x2000, None, 0)
+    with pytest.raises(KeyboardInterrupt):
+        _mapping.acquire(("k",), 0, bytes(64), 64, None, None, view, token, os.getpid(), 9, 3, None, 0, 0,
+                         importer, False)
+    assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
+
+
+def test_a_lease_interrupted_while_it_was_made_is_finalized_quietly():
+    lease = _mapping.Lease.__new__(_mapping.Lease)  # no slot set: __del__ raised AttributeError
+    lease.__del__()

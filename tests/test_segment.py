@@ -620,6 +620,66 @@ def test_a_fork_while_the_segment_is_created_leaves_the_child_none_of_it(token, 
     assert said == "0"
 
 
+def _forked_copies(path: str) -> str:
+    """Fork; the child says how many descriptors and views of ``path`` it has (``"descriptors,views"``)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        held = [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == path]
+        with open("/proc/self/maps") as maps:
+            views = sum(line.rstrip().endswith(path) for line in maps)
+        os.write(w, f"{len(held)},{views}".encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    said = os.read(r, 100).decode()
+    os.close(r)
+    return said
+
+
+@pytest.mark.parametrize("when", ["before its view", "after its view"])
+def test_a_fork_while_another_process_segment_is_opened_leaves_the_child_none_of_it(token, when, monkeypatch):
+    # The child kept the descriptor (or the view, which keeps the open file too) of a segment being opened by
+    # another thread: the in-use locks this process then took outlived its death, pinning the producer's
+    # memory for as long as the child lived.
+    import threading
+
+    producer = Segment.create(token)
+    remap = Segment._remap
+    started = threading.Event()
+
+    def slow_remap(self):
+        if when == "after its view":
+            remap(self)
+        if not self.owner:
+            started.set()
+            time.sleep(0.5)
+        if when == "before its view":
+            remap(self)
+
+    monkeypatch.setattr(Segment, "_remap", slow_remap)
+    opener = threading.Thread(target=_segment.attach, args=(token, os.getpid()))
+    opener.start()
+    started.wait(30)
+    said = _forked_copies(segment_path(token))
+    opener.join(30)
+    _segment._attached.pop(token).close()
+    producer.close(unlink=True)
+    assert said == "0,0"
+
+
+def test_a_fork_leaves_the_child_no_view_of_a_segment_dropped_from_the_tables(token):
+    # A producer found exited is dropped from the table while claims still use its segment.
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    try:
+        said = _forked_copies(segment_path(token))
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
+    assert said == "0,0"
+
+
 @pytest.mark.parametrize("consumers_flag", [ONE_CONSUMER, 0], ids=["one consumer", "several consumers"])
 def test_the_count_of_opens_stops_at_its_largest_value(token, consumers_flag):
     # Reopens count too: a count at the top of its u32 raised struct.error on every later open of the export.
