@@ -119,7 +119,7 @@ def _ptrace() -> dict[str, Any]:
 
 def _versions() -> dict[str, Any]:
     """What is installed, and the CUDA versions of the driver and the runtime: gathered whether or not a GPU
-    is usable, since a driver older than the runtime is a common reason why not."""
+    is usable, since a driver of an older CUDA major than the runtime is a common reason why not."""
     try:
         import cupy
     except ImportError:
@@ -406,9 +406,11 @@ def _problems(report: dict[str, Any]) -> list[dict[str, str]]:
                     "cause": "a child forked after CUDA was initialized cannot use CUDA",
                     "remedy": "multiprocessing.get_context('spawn') or set_start_method('spawn')"})
     v = report["versions"]
-    if v.get("driver_cuda") and v.get("runtime") and _older(v["driver_cuda"], v["runtime"]):
+    # Within a CUDA major, a runtime runs on an older driver (CUDA's minor-version compatibility): only an
+    # older major is a problem.
+    if v.get("driver_cuda") and v.get("runtime") and _older(v["driver_cuda"].split(".")[0], v["runtime"].split(".")[0]):
         out.append({"what": f"driver (CUDA {v['driver_cuda']}) older than the runtime (CUDA {v['runtime']})",
-                    "cause": "CuPy's runtime needs a driver at least as new as itself",
+                    "cause": "CuPy's runtime needs a driver of its CUDA major version at least",
                     "remedy": "update the NVIDIA driver, or install CuPy built for the driver's CUDA major "
                     "(cupy_ipc's cuda12 or cuda13 extra)"})
     p = report["ptrace"]

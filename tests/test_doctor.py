@@ -115,7 +115,7 @@ def _report(**changes):
      "allow_ptrace_from_any"),
     ({"ptrace__pidfd_getfd": "refused", "ptrace__pidfd_getfd_error": "EPERM", "ptrace__ptrace_scope": 2},
      "pidfd_getfd refused", "cupy_ipc.send_handle"),
-    ({"versions__driver_cuda": "12.4", "versions__runtime": "12.9"}, "older than the runtime",
+    ({"versions__driver_cuda": "12.9", "versions__runtime": "13.0"}, "older than the runtime",
      "update the NVIDIA driver"),
 ])
 def test_each_problem_has_a_cause_and_a_remedy(changes, what, remedy):
@@ -125,6 +125,11 @@ def test_each_problem_has_a_cause_and_a_remedy(changes, what, remedy):
     assert what in problem["what"] and remedy in problem["remedy"]
     text = render(report)
     assert problem["remedy"] in text
+
+
+def test_a_driver_older_than_the_runtime_within_its_major_is_no_problem():
+    # CUDA's minor-version compatibility: CuPy's CUDA 13.2 runtime runs on a CUDA 13.0 driver.
+    assert _report(versions__driver_cuda="13.0", versions__runtime="13.2")["problems"] == []
 
 
 def test_an_exclusive_gpu_is_a_problem_unless_the_self_test_shared_memory_on_it():
