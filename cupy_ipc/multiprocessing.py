@@ -30,10 +30,12 @@ receiver's ``get()`` raises the error instead and later messages still arrive.
 A message that fails to pickle part-way (an unpicklable object after an
 array, say) never leaves, and the exports of the arrays pickled before the
 failure are released at once (the pickler's ``dump`` is wrapped for that);
-so are those of a message whose send fails (a pipe whose receiver died:
-connections' ``send`` and ``send_bytes`` are wrapped too). An array that is
-sent but never received stays pinned in the sender, unless
-:func:`set_message_lease` gave it a lease.
+so are those of a message whose write fails (a pipe whose receiver died:
+connections' ``_send_bytes`` is wrapped too), when a queue, a pipe's
+``send()`` or a pool pickled it (not bytes of your own ``dumps()``, which
+may be sent again elsewhere). An array that is sent but never received
+stays pinned in the sender, unless :func:`set_message_lease` gave it a
+lease.
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
@@ -57,10 +59,12 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib
 import multiprocessing as _mp
 import multiprocessing.connection as _connection
+import multiprocessing.queues as _queues
 import sys
 import threading
 import warnings
@@ -159,8 +163,8 @@ def _feeder_handles_errors() -> bool:
     # The feeder's arguments include the queue's bound _on_queue_feeder_error (CPython 3.8 to 3.13).
     for arg in getattr(threading.current_thread(), "_args", ()):
         if getattr(arg, "__name__", None) == "_on_queue_feeder_error":
-            queue = getattr(arg, "__self__", None)  # None: the plain queue's, a static method
-            return queue is not None and type(queue)._on_queue_feeder_error is not _PlainQueue._on_queue_feeder_error
+            # The plain queue's is a static method: its function itself. A subclass's, static or not, handles.
+            return getattr(arg, "__func__", arg) is not _PlainQueue._on_queue_feeder_error
     return False
 
 
@@ -173,7 +177,13 @@ def _raise_received(what: str, error: IpcError) -> Any:
 # The exports a message makes while it is pickled (per thread, as queues pickle on a feeder thread): if a
 # later part of the message fails to pickle, the message never leaves, so no consumer will open them and
 # their pins are released at once instead of holding the memory for good.
-_in_message = threading.local()
+class _MessageState(threading.local):
+    exports: "list[Any] | None" = None  # the exports of the message being pickled
+    dumped: "list[Any] | None" = None  # those of the last whole message pickled
+    pickled: "tuple[Any, list[Any]] | None" = None  # (its buffer, its exports), until a sender writes it
+
+
+_in_message = _MessageState()
 _plain_dump = ForkingPickler.dump
 
 
@@ -186,7 +196,7 @@ def _release_all(exports: list[Any]) -> None:
 
 
 def _dump(pickler: ForkingPickler, obj: Any) -> None:
-    outer = getattr(_in_message, "exports", None)
+    outer = _in_message.exports
     _in_message.exports = exports = []
     try:
         _plain_dump(pickler, obj)
@@ -205,56 +215,53 @@ _plain_dumps = ForkingPickler.dumps.__func__  # type: ignore[attr-defined]
 
 
 def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
-    # What a queue's feeder thread pickles each message with, and Connection.send.
-    _in_message.dumped = None
+    # What queues' feeder threads, SimpleQueue.put and Connection.send pickle each message with.
+    sender = sys._getframe(1).f_code in _SENDERS
+    outer = _in_message.exports
+    if sender:  # a message of its own, sent at once (by a reducer of another message, say): never a part of that
+        _in_message.exports = None
     try:
-        buf = _plain_dumps(cls, obj, protocol)
-    except _Refused as e:
-        if getattr(_in_message, "exports", None) is not None:  # a part of another message: refused whole
-            raise
-        buf = _plain_dumps(cls, _Refusal(*e.args), protocol)
-    exports, _in_message.dumped = getattr(_in_message, "dumped", None), None
-    if getattr(_in_message, "exports", None) is None:  # (a message pickled inside another: that one is sent)
-        _in_message.pickled = None if exports is None else (buf, exports)
+        _in_message.dumped = None
+        try:
+            buf = _plain_dumps(cls, obj, protocol)
+        except _Refused as e:
+            if _in_message.exports is not None:  # a part of another message: refused whole
+                raise
+            buf = _plain_dumps(cls, _Refusal(*e.args), protocol)
+        exports, _in_message.dumped = _in_message.dumped, None
+    finally:
+        _in_message.exports = outer
+    if sender:  # for its send, which follows on this thread (see _send_bytes)
+        _in_message.pickled = None if exports is None else (buf.obj, exports)
     return buf
 
 
 # --- messages that are not sent -------------------------------------------------------
 # A message pickled whole and then not sent (a pipe whose receiver died: BrokenPipeError) would leave its
-# arrays pinned for good: no receiver will open them. Its exports are kept (per thread) from its pickling to
-# its send, and released if the send fails. Only on an error of the send itself: an interrupt (Ctrl-C) may
-# come once the message has left, and its receiver must still be able to open it.
-_plain_send = _connection._ConnectionBase.send
-_plain_send_bytes = _connection._ConnectionBase.send_bytes
+# arrays pinned for good: no receiver will open them. The exports of a message that a sender of the standard
+# module pickled (each sends its bytes at once, and never again) are kept, per thread, until that send, and
+# released if its write fails. Not those of a message pickled by the user's own dumps(): its bytes may be sent
+# anywhere, any number of times. And only on the write's own failure, which leaves no whole message with a
+# receiver: an error raised after the bytes left (a signal handler's) must leave the receiver its arrays.
+_SENDERS = frozenset({_queues.Queue._feed.__code__, _queues.SimpleQueue.put.__code__,
+                      _connection._ConnectionBase.send.__code__})
+_NOT_SENT = frozenset({errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN, errno.ESHUTDOWN})
+_plain_send_bytes = _connection.Connection._send_bytes
 
 
-def _send(conn: Any, obj: Any) -> None:
-    _in_message.pickled = None
-    try:
-        _plain_send(conn, obj)
-    except Exception:
-        pickled = _in_message.pickled
-        if pickled is not None:
-            _release_all(pickled[1])
-        raise
-    finally:
+def _send_bytes(conn: Any, buf: Any) -> None:
+    # Connection._send_bytes: what send() and send_bytes() both call, however their callers bound them.
+    pickled = _in_message.pickled
+    if pickled is not None and pickled[0] is getattr(buf, "obj", buf):  # (send_bytes sends a view of them)
         _in_message.pickled = None
-
-
-def _send_bytes(conn: Any, buf: Any, offset: int = 0, size: int | None = None) -> None:
-    # Queues, SimpleQueues and pools send the bytes that dumps() made just before, on the same thread.
-    pickled = getattr(_in_message, "pickled", None)
-    if pickled is not None and pickled[0] is not buf:
-        pickled = None  # other bytes
+    else:
+        pickled = None  # other bytes: that message's send is still to come
     try:
-        _plain_send_bytes(conn, buf, offset, size)
-    except Exception:
-        if pickled is not None:
+        _plain_send_bytes(conn, buf)
+    except OSError as e:
+        if pickled is not None and e.errno in _NOT_SENT:
             _release_all(pickled[1])
         raise
-    finally:
-        if pickled is not None:
-            _in_message.pickled = None
 
 
 # --- cupy.ndarray ----------------------------------------------------------------
@@ -292,7 +299,7 @@ def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     if not _warned_fork:
         _warn_if_fork_default()
     h = get_ipc_handle(array, lease=_message_lease)
-    exports = getattr(_in_message, "exports", None)
+    exports = _in_message.exports
     if exports is not None:
         exports.append(h)
     if h._f.kind in Kind.BY_DESCRIPTOR and h._descriptors():
@@ -395,8 +402,7 @@ def init_reductions() -> None:
     ForkingPickler.dump = _dump  # type: ignore[method-assign]  # every message, by Connection.send,
     # queues (dumps) and a spawned Process's arguments (reduction.dump)
     ForkingPickler.dumps = classmethod(_dumps)  # type: ignore[assignment,method-assign]
-    _connection._ConnectionBase.send = _send  # type: ignore[method-assign]  # pipes, and the queues' writers
-    _connection._ConnectionBase.send_bytes = _send_bytes  # type: ignore[method-assign]
+    _connection.Connection._send_bytes = _send_bytes  # type: ignore[method-assign]  # every message's write
     _registered = True
 
 

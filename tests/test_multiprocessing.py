@@ -9,6 +9,7 @@ import multiprocessing
 import pickle
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -35,7 +36,7 @@ def test_registration_is_idempotent_and_only_for_multiprocessing():
     assert reducers[cupy.cuda.Event] is mp._reduce_cupy_event
     assert reducers[cupy_ipc.IpcEvent] is mp._reduce_ipc_event
     assert multiprocessing.reduction.ForkingPickler.dump is mp._dump
-    assert multiprocessing.connection.Connection.send is mp._send
+    assert multiprocessing.connection.Connection._send_bytes is mp._send_bytes
     assert cupy.ndarray not in copyreg.dispatch_table  # what pickle.dumps consults
 
 
@@ -259,6 +260,83 @@ def test_a_message_whose_send_fails_releases_its_exports(exported):
     del pickled
 
 
+def test_bytes_of_ones_own_dumps_sent_elsewhere_after_a_failed_send_keep_their_exports(exported):
+    # A task pickled once and offered to one worker after another: the bytes that a dead worker's pipe refused
+    # reach the next, whose opens need the exports.
+    ctx = multiprocessing.get_context("spawn")
+    dead, gone = ctx.Pipe()
+    gone.close()
+    live, there = ctx.Pipe()
+    task = _Exported()
+    pickled = multiprocessing.reduction.ForkingPickler.dumps([task])
+    with pytest.raises(OSError):
+        dead.send_bytes(pickled)
+    live.send_bytes(pickled)
+    assert there.recv() == [[]] and not task.released
+    assert getattr(mp._in_message, "pickled", None) is None  # nothing of a user's dumps kept on the thread
+
+
+class _SendsOnTheSide:
+    """Sends a message of its own on another connection while the message it is part of is pickled."""
+
+    def __init__(self, conn: object, payload: object) -> None:
+        self.conn, self.payload = conn, payload
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        self.conn.send(self.payload)  # delivered here and now
+        return list, ()
+
+
+def test_a_message_sent_while_another_is_pickled_keeps_its_exports_when_that_one_fails(exported):
+    here, there = multiprocessing.Pipe()
+    inner = _Exported()
+    with pytest.raises((AttributeError, TypeError, multiprocessing.reduction.pickle.PicklingError)):
+        here.send([_SendsOnTheSide(here, [inner]), lambda: 0])
+    assert there.recv() == [[]] and not inner.released
+
+
+def test_an_error_raised_after_the_message_left_keeps_its_exports(exported, monkeypatch):
+    # A signal handler's TimeoutError, say, raised just after the last write returned.
+    here, there = multiprocessing.Pipe()
+    plain = type(here)._send
+
+    def send_then_interrupted(self, buf, *args):
+        plain(self, buf, *args)
+        raise TimeoutError("alarm")
+
+    monkeypatch.setattr(type(here), "_send", send_then_interrupted)
+    sent = _Exported()
+    with pytest.raises(TimeoutError):
+        here.send([sent])
+    monkeypatch.undo()
+    assert there.recv() == [[]] and not sent.released
+
+
+def test_a_queue_made_before_the_import_releases_what_its_failed_send_exported():
+    # Queues bind their writer's send_bytes when they are made (and unpickled): the write itself is wrapped.
+    code = """if True:
+        import multiprocessing
+        q = multiprocessing.get_context("spawn").Queue()
+        import cupy_ipc.multiprocessing as mp
+        from multiprocessing.reduction import ForkingPickler
+
+        class Exported:
+            released = False
+            def release(self):
+                self.released = True
+
+        ForkingPickler.register(Exported, lambda o: (mp._in_message.exports.append(o), (list, ()))[1])
+        q._reader.close()
+        lost = Exported()
+        q.put([lost])  # its feeder thread's write fails (and reports it)
+        q.close()
+        q.join_thread()
+        print("released" if lost.released else "pinned")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["released"], out.stderr[-2000:]
+
+
 def test_a_refusal_on_a_queues_feeder_thread_releases_what_its_message_exported(unshareable, exported):
     # The receiver raises where the refused part was: the parts exported before it would stay pinned for good.
     q = multiprocessing.get_context("spawn").Queue()
@@ -326,3 +404,28 @@ def test_an_event_inherited_by_a_forked_child_closes_and_is_collected_without_cu
     del ev
     gc.collect()
     assert not finalizer.alive
+
+
+class _StaticHandler(multiprocessing.queues.Queue):
+    @staticmethod
+    def _on_queue_feeder_error(e, obj):  # a handler of its own, static as the plain queue's
+        pass
+
+
+class _BoundHandler(multiprocessing.queues.Queue):
+    def _on_queue_feeder_error(self, e, obj):
+        pass
+
+
+@pytest.mark.parametrize("queue_type,handles", [(multiprocessing.queues.Queue, False), (_StaticHandler, True),
+                                                (_BoundHandler, True)], ids=["plain", "static", "bound"])
+def test_a_queue_subclass_with_its_own_feeder_error_handler_gets_the_error(queue_type, handles):
+    # A static override looked like the plain queue's: its handler was never called.
+    q = queue_type(ctx=multiprocessing.get_context("spawn"))
+    seen = []
+    t = threading.Thread(target=lambda *args: seen.append(mp._feeder_handles_errors()),
+                         args=(None, q._on_queue_feeder_error))
+    t.start()
+    t.join()
+    q.close()
+    assert seen == [handles]
