@@ -237,7 +237,11 @@ def _template(arr: Any) -> ArrayFields:
             fd, resource = _pools.send_on(lease.mapping_key[2], lease.mapping_key[4])
     elif (legacy := _cuda.legacy_info(arr.data.ptr)) is not None:
         base, size, buffer_id = legacy
-        memory_handle = _memory_handle(base, buffer_id)
+        if buffer_id in _handle_cache or _cuda.current_device() == device:
+            memory_handle = _memory_handle(base, buffer_id)
+        else:  # on the memory's GPU: the runtime would otherwise set up a context on the current one, unused
+            with _cuda.using_device(device):
+                memory_handle = _memory_handle(base, buffer_id)
         # A layout remembered for the fast path of plain arrays, whose GPU is the memory's: not our own
         # memory opened here, perhaps on a peer GPU (its handle names the memory's).
         plain = not opened_here
@@ -393,7 +397,7 @@ def get_ipc_handle(
         template, static = _template(arr), None
     if keepalive or sync:
         device = arr.data.device_id  # where the producer's stream and its event live
-        stream_ptr = _cuda.stream_ptr(stream) if sync else None
+        stream_ptr = _cuda.stream_ptr(stream, device) if sync else None  # (by default the array's GPU's)
         if stream_ptr is not None and template.device.ordinal != device:
             # An array opened here on a peer GPU, sent on: its handle names the memory's GPU, whose streams
             # must not wait on an event of this one (that ends the consumer's process). Waited for here.

@@ -439,12 +439,13 @@ def stream_idle(ptr: int) -> bool:
         raise _translated("querying a stream", e) from e
 
 
-def stream_ptr(stream: Any) -> int:
-    """The raw handle of a CuPy stream, of an object with ``__cuda_stream__``, or the current one."""
+def stream_ptr(stream: Any, device: int = -1) -> int:
+    """The raw handle of a CuPy stream, of an object with ``__cuda_stream__``, or the current one (of GPU
+    ``device``: CuPy keeps one per GPU; default the current GPU's)."""
     if stream is None:
         import cupy
 
-        return cupy.cuda.get_current_stream().ptr
+        return cupy.cuda.get_current_stream(device).ptr
     if hasattr(stream, "ptr"):
         return int(stream.ptr)
     if hasattr(stream, "__cuda_stream__"):
@@ -460,10 +461,40 @@ def stream_device(ptr: int) -> int:
     if ptr in (0, 1, 2):  # the legacy and per-thread default streams act on the current GPU
         return runtime.getDevice()
     driver = _driver()
-    err, dev = driver.cuStreamGetDevice(ptr)
+    try:
+        err, dev = driver.cuStreamGetDevice(ptr)
+    except (AttributeError, RuntimeError):  # a driver (or bindings) older than CUDA 12.8: ask the stream's context
+        err, dev = _stream_device_by_context(driver, ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise IpcError(f"could not tell which GPU stream {ptr:#x} belongs to: {err.name}")
     return int(dev)
+
+
+def _stream_device_by_context(driver: Any, ptr: int) -> tuple[Any, Any]:
+    """``cuStreamGetDevice`` for drivers before CUDA 12.8: the device of the stream's context."""
+    err, ctx = driver.cuStreamGetCtx(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return err, None
+    (err,) = driver.cuCtxPushCurrent(ctx)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return err, None
+    try:
+        return driver.cuCtxGetDevice()
+    finally:
+        driver.cuCtxPopCurrent()
+
+
+def of_another_gpu(error: IpcError, ptr: int, device: int, what: str) -> IpcError:
+    """``error`` of a call that used stream ``ptr`` for GPU ``device``'s ``what``, said plainly if the stream is
+    another GPU's (CUDA reports an invalid resource handle, which says nothing of the cause)."""
+    try:
+        owner = stream_device(ptr) if ptr not in (0, 1, 2) else device
+    except Exception:  # noqa: BLE001 - the call's own error stands
+        return error
+    if owner == device:
+        return error
+    return IpcError(f"the stream belongs to GPU {owner}, and {what} to GPU {device}: pass a stream of GPU "
+                    f"{device}", cuda_error=error.cuda_error)
 
 
 class _StreamProtocol:

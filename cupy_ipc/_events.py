@@ -37,7 +37,9 @@ class IpcEvent:
     """A CUDA event that other processes can wait on.
 
     Timing is disabled, as CUDA requires for interprocess events. An event
-    opened from a handle is destroyed when closed or garbage-collected.
+    is destroyed when closed or garbage-collected, also one created here
+    while other processes still use it (CUDA leaves their waits undefined
+    then): keep it as long as any consumer may open or wait on it.
 
     Args:
         block: Make :meth:`synchronize` sleep instead of spinning
@@ -108,9 +110,15 @@ class IpcEvent:
         return self._opened
 
     def record(self, stream: Any = None) -> None:
-        """Record the event on ``stream`` (default: the current stream)."""
+        """Record the event on ``stream`` (default: the current stream of the event's GPU), a stream of the
+        event's GPU."""
         ptr = self.ptr  # first: it checks for a fork
-        _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, _cuda.stream_ptr(stream))
+        stream_ptr = _cuda.stream_ptr(stream, self._device)
+        try:
+            with _cuda.using_device(self._device):  # (a default stream acts on the current GPU)
+                _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, stream_ptr)
+        except IpcError as e:
+            raise _cuda.of_another_gpu(e, stream_ptr, self._device, "the event") from e
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for the event on the GPU; the host does not block.

@@ -115,3 +115,29 @@ def test_a_cached_ordering_event_stays_usable_by_a_thread_holding_it_when_the_ca
     gone = weakref.ref(ev)
     del ev  # its last user: destroyed now
     assert gone() is None
+
+
+def test_the_gpu_of_a_stream_is_found_on_a_driver_without_cuStreamGetDevice(monkeypatch):  # noqa: N802
+    # That call came with CUDA 12.8; before, the stream's context says which GPU (what wait(stream) needs).
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import _cuda
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    direct = _cuda.stream_device(s.ptr)
+    driver = _cuda._driver()
+
+    class Older:
+        def __getattr__(self, name):
+            if name == "cuStreamGetDevice":
+                raise AttributeError(name)
+            return getattr(driver, name)
+
+    monkeypatch.setattr(_cuda, "_driver", lambda: Older())
+    assert _cuda.stream_device(s.ptr) == direct == cupy.cuda.Device().id
+    ev = cupy_ipc.IpcEvent()
+    ev.record()
+    ev.wait(s)  # through the fallback
+    s.synchronize()
+    ev.close()

@@ -39,6 +39,28 @@ def test_consumer_sees_values_written_after_a_long_kernel(remote, sync):
         assert (out == 0).all()
 
 
+def test_an_export_on_the_legacy_stream_waits_for_a_blocking_streams_work(remote):
+    """The legacy default stream waits for the blocking streams: so must its consumer, though its own query
+    says it is idle (a queue's feeder thread exports on it)."""
+    import cupy
+
+    import cupy_ipc
+
+    from workers import warm_up
+
+    consumer = remote()
+    consumer.call("warm_up")
+    warm_up()
+    a = cupy.zeros(N, cupy.float32)
+    cupy.cuda.runtime.deviceSynchronize()
+    s = cupy.cuda.Stream()  # blocking
+    spin(3.0, s)
+    with s:
+        a.fill(7)
+    data = cupy_ipc.get_ipc_handle(a, stream=cupy.cuda.Stream.null).to_bytes()
+    assert (consumer.call("read", data) == 7).all()
+
+
 def test_pin_outlives_consumer_gpu_work(remote):
     """The producer keeps the memory until the consumer's queued kernel has finished."""
     import cupy

@@ -477,6 +477,26 @@ def test_a_message_that_fails_to_pickle_releases_the_arrays_it_exported(ctx):
     q.join_thread()
 
 
+def test_an_array_put_on_a_queue_after_work_on_a_blocking_stream_arrives_finished():
+    # The queue's feeder thread exports on the legacy default stream, which waits for the blocking streams.
+    import cupy
+
+    from workers import queue_worker, spin, warm_up
+
+    warm_up()
+    with queue_worker() as (inbox, outbox):
+        inbox.put(cupy.ones(16, cupy.float32))  # the consumer's kernels, loaded before the test
+        assert outbox.get(timeout=60)[0] == 16
+        a = cupy.zeros(1 << 20, cupy.float32)
+        cupy.cuda.runtime.deviceSynchronize()
+        s = cupy.cuda.Stream()  # blocking
+        spin(3.0, s)
+        with s:
+            a.fill(7)
+        inbox.put(a)
+        assert outbox.get(timeout=60)[0] == 7 * (1 << 20)
+
+
 def test_an_array_whose_send_fails_is_not_left_pinned(ctx):
     import cupy
 

@@ -1,0 +1,236 @@
+"""Streams and GPUs of an export, over a stubbed two-GPU CUDA runtime (no GPU needed): which stream the
+ordering event goes on, and the errors of a stream of another GPU. The GPU tests cover one GPU for real."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from cupy_ipc import IpcError, _array_handle, _cuda, _keepalive
+
+STREAMS = {0: 0xA0, 1: 0xB1}  # each GPU's current CuPy stream (CuPy keeps one per device)
+DEVICE_OF = {0xA0: 0, 0xB1: 1}
+
+
+class _Runtime:
+    eventInterprocess, eventDisableTiming, eventBlockingSync = 4, 2, 1
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.busy: set[int] = set()
+        self.recorded: list[tuple[int, int]] = []
+        self.events = 0
+
+    def getDevice(self) -> int:
+        return self.device
+
+    def setDevice(self, d: int) -> None:
+        self.device = d
+
+    def ipcGetMemHandle(self, base: int) -> bytes:
+        return base.to_bytes(8, "little") * 8
+
+    def streamQuery(self, ptr: int) -> int:
+        return 600 if ptr in self.busy else 0  # cudaErrorNotReady
+
+    def eventQuery(self, ev: int) -> int:
+        return 600 if self.recorded and self.recorded[-1][0] == ev and self.recorded[-1][1] in self.busy else 0
+
+    def eventCreateWithFlags(self, flags: int) -> int:
+        self.events += 1
+        return 0xE00000 + (self.device << 16) + self.events  # (an event of the current GPU)
+
+    def eventRecord(self, ev: int, stream: int) -> None:
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+        if DEVICE_OF.get(stream, self.device) != (ev - 0xE00000) >> 16:  # CUDA: event and stream of one context
+            raise CUDARuntimeError(400)  # cudaErrorInvalidResourceHandle
+        self.recorded.append((ev, stream))
+
+    def ipcGetEventHandle(self, ev: int) -> bytes:
+        return ev.to_bytes(8, "little") * 8
+
+    def eventDestroy(self, ev: int) -> None:
+        pass
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    import cupy
+
+    runtime = _Runtime()
+    monkeypatch.setattr(_cuda, "rt", lambda: runtime)
+    monkeypatch.setattr(_cuda, "device_uuid", lambda d: bytes([d + 1]) * 16)
+    monkeypatch.setattr(_cuda, "legacy_info", lambda ptr: (ptr & ~0xFFF, 0x1000, 7 + (ptr >> 20)))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream",
+                        lambda device_id=-1: type("S", (), {"ptr": STREAMS[runtime.device if device_id < 0
+                                                                             else device_id]})())
+    for name, value in (("_by_array", _array_handle._ById()), ("_layouts", {}), ("_handle_cache", {}),
+                        ("_exported", collections.OrderedDict()), ("_device_ids", {})):
+        monkeypatch.setattr(_array_handle, name, value)
+    monkeypatch.setattr(_keepalive, "_event_pool", {})
+    yield runtime
+    for pool in _keepalive._event_pool.values():  # fake events: no destroy with the real runtime
+        for ev in pool:
+            ev._finalizer.detach()
+
+
+def _array_on(device: int):
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(0x100000 * (device + 1), 0x1000, None, device)
+    return cupy.ndarray((16,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def test_default_stream_is_the_arrays_gpus_current_stream(gpus):
+    # Work on the array is still queued on GPU 1's current stream; the caller's current GPU is 0, whose
+    # stream is idle. The export must order the consumer after GPU 1's stream.
+    a = _array_on(1)
+    gpus.busy.add(STREAMS[1])
+    h = _array_handle.get_ipc_handle(a)
+    try:
+        assert h.synced, "no ordering event: the consumer may read the array while GPU 1 still writes it"
+        assert gpus.recorded and gpus.recorded[-1][1] == STREAMS[1]
+    finally:
+        h.release()
+
+
+def test_work_on_the_current_gpus_stream_is_not_the_arrays(gpus):
+    # The current GPU's stream was asked, and its event recorded there failed with a hint that the producer
+    # had freed the memory.
+    a = _array_on(1)
+    gpus.busy.add(STREAMS[0])
+    h = _array_handle.get_ipc_handle(a)
+    assert not h.synced and not gpus.recorded
+    h.release()
+
+
+def test_an_explicit_stream_of_another_gpu_is_refused_clearly(gpus, monkeypatch):
+    import cupy_ipc
+
+    monkeypatch.setattr(_cuda, "stream_device", lambda ptr: DEVICE_OF[ptr])
+    a = _array_on(1)
+    gpus.busy.add(STREAMS[0])
+    s0 = type("S", (), {"ptr": STREAMS[0]})()
+    with pytest.raises(IpcError, match="the stream belongs to GPU 0, and the array to GPU 1"):
+        _array_handle.get_ipc_handle(a, stream=s0)
+    assert not cupy_ipc.pinned()
+    gpus.device = 1
+    ev = cupy_ipc.IpcEvent()  # of GPU 1
+    gpus.device = 0
+    ev.record()  # GPU 1's current stream, though GPU 0 is current
+    assert gpus.recorded[-1][1] == STREAMS[1]
+    with pytest.raises(IpcError, match="the stream belongs to GPU 0, and the event to GPU 1"):
+        ev.record(s0)
+    ev._finalizer.detach()
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["done", "queued"])
+def test_the_legacy_stream_gets_an_event_unless_the_event_has_completed(gpus, done):
+    # Its query does not see the work of the blocking streams it waits for (a queue's feeder thread exports on
+    # it): an event recorded there does.
+    STREAMS[0] = 0
+    try:
+        if not done:
+            gpus.busy.add(0)
+        h = _array_handle.get_ipc_handle(_array_on(0)[::2])
+        assert gpus.recorded and gpus.recorded[-1][1] == 0
+        assert h.synced is not done
+        h.release()
+    finally:
+        STREAMS[0] = 0xA0
+
+
+@pytest.mark.parametrize("first", ["common", "general"])
+@pytest.mark.parametrize("again", [dict(), dict(sync=False), dict(keepalive=False), dict(keepalive=False, sync=False),
+                                   dict(consumers=3), dict(lease=60.0)])
+def test_a_re_sent_array_carries_its_own_export_part(gpus, first, again):
+    from cupy_ipc import IpcArrayHandle
+
+    gpus.device = 0
+    gpus.busy.add(STREAMS[0])
+    _array_handle.get_ipc_handle(_array_on(0)).release()  # learns the layout: the next array takes the fast path
+    a = _array_on(0) if first == "common" else _array_on(0)[::2]
+    h1 = _array_handle.get_ipc_handle(a)
+    h2 = _array_handle.get_ipc_handle(a, **again)
+    for h in (h1, h2):
+        assert IpcArrayHandle.from_bytes(h.to_bytes())._f == h._f
+    assert h2._f.export_id != h1._f.export_id or not (again.get("keepalive", True) or again.get("sync", True))
+    assert h2.keepalive == again.get("keepalive", True)
+    assert h2.synced == again.get("sync", True)
+    h1.release(), h2.release()
+
+
+def test_the_gpu_of_a_stream_is_found_on_drivers_before_cuda_12_8(monkeypatch):
+    # cuStreamGetDevice came with CUDA 12.8: before, the bindings raise (FunctionNotFoundError, a RuntimeError),
+    # which reached IpcEvent.wait(stream) and open(stream=...) as is. The stream's context tells the same.
+    calls = []
+
+    class Driver:
+        class CUresult:
+            CUDA_SUCCESS = 0
+
+        @staticmethod
+        def cuStreamGetDevice(ptr):
+            raise RuntimeError("function cuStreamGetDevice is not found")
+
+        @staticmethod
+        def cuStreamGetCtx(ptr):
+            return 0, "context of GPU 1"
+
+        @staticmethod
+        def cuCtxPushCurrent(ctx):
+            calls.append(("push", ctx))
+            return (0,)
+
+        @staticmethod
+        def cuCtxGetDevice():
+            return 0, 1
+
+        @staticmethod
+        def cuCtxPopCurrent():
+            calls.append(("pop",))
+            return 0, "context of GPU 1"
+
+    monkeypatch.setattr(_cuda, "_driver", lambda: Driver)
+    monkeypatch.setattr(_cuda, "rt", lambda: _Runtime())
+    assert _cuda.stream_device(0xB1) == 1
+    assert calls == [("push", "context of GPU 1"), ("pop",)]
+
+
+def test_threads_exporting_fresh_and_re_sent_arrays_get_consistent_handles(gpus):
+    # Eight threads (queues pickle on their feeder threads), addresses reused, re-sent views: every wire form
+    # matches its fields, every export its own number.
+    import threading
+
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    gpus.busy.add(STREAMS[0])
+    shared = [_array_on(0)[i::3] for i in range(3)]
+    errors, handles = [], []
+
+    def work() -> None:
+        try:
+            for k in range(300):
+                mem = cupy.cuda.UnownedMemory(0x100000 + 0x1000 * (k % 50), 0x1000, None, 0)
+                a = cupy.ndarray((16,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+                for x in (a, shared[k % 3]):
+                    h = _array_handle.get_ipc_handle(x)
+                    assert IpcArrayHandle.from_bytes(h.to_bytes())._f == h._f
+                    assert h._f.base_ptr + h._f.offset == x.data.ptr and h.shape == x.shape
+                    handles.append(h)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [h._f.export_id for h in handles]
+    for h in handles:
+        h.release()
+    assert not errors and len(set(ids)) == len(ids)
