@@ -83,7 +83,6 @@ _free_slots: list[int] = []
 _slot_counter = itertools.count()
 _export_ids = itertools.count(1)
 _event_pool: dict[int, list[IpcEvent]] = {}
-_LEGACY = (0, 1)  # CuPy's null stream and cudaStreamLegacy
 _SWEEP_ALWAYS_BELOW = 64  # pins
 _SWEEP_SHARE = 8
 _exports_to_sweep = 0  # exports left before the next one sweeps, once there are many pins
@@ -105,9 +104,7 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
     ``keep`` is held until the pin ends; ``origin`` is the exported
     allocation's ``(base, size, buffer id)``. ``stream_ptr``, when given, is where
     the ordering event is recorded (the current device must be ``device``);
-    a stream with no work left needs no event, and gets none (a legacy
-    default stream: once its event has completed, which takes the blocking
-    streams' work into account).
+    a stream with no work left needs no event, and gets none.
     """
     global _exports_to_sweep
     seg = _segment_here()
@@ -117,28 +114,20 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
         elif _pins:
             _sweep(seg)
         event = handle = None
-        # A legacy default stream is not asked whether it is idle: work it waits for on other (blocking)
-        # streams, which a queue's feeder thread relies on, is not its own; an event recorded there waits.
-        legacy = stream_ptr in _LEGACY
-        if stream_ptr is not None and (legacy or not _cuda.stream_idle(stream_ptr)):
+        # (The legacy default stream's query counts the work of the blocking streams it waits for: measured.)
+        if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
             event = _take_event(device)
             try:
-                runtime = _cuda.rt()
                 try:
-                    _cuda.call("recording the ordering event", runtime.eventRecord, event._ptr, stream_ptr)
+                    _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event._ptr, stream_ptr)
                 except IpcError as e:
                     raise _cuda.of_another_gpu(e, stream_ptr, device, "the array") from e
-                if legacy and runtime.eventQuery(event._ptr) == 0:  # all done already: nothing to wait for
-                    _event_pool.setdefault(device, []).append(event)
-                    event = None
-                else:
-                    handle = event._handle  # a pooled event's, once exported
-                    if handle is None:
-                        handle = event.get_ipc_handle()  # before the pin: a pin without a handle would leak
-                    handle = handle.event_handle
+                handle = event._handle  # a pooled event's, once exported
+                if handle is None:
+                    handle = event.get_ipc_handle()  # before the pin: a pin without a handle would leak
+                handle = handle.event_handle
             except BaseException:
-                if event is not None:
-                    _event_pool.setdefault(device, []).append(event)
+                _event_pool.setdefault(device, []).append(event)
                 raise
         slot = _free_slots.pop() if _free_slots else next(_slot_counter)
         export_id = next(_export_ids)

@@ -40,8 +40,8 @@ def test_consumer_sees_values_written_after_a_long_kernel(remote, sync):
 
 
 def test_an_export_on_the_legacy_stream_waits_for_a_blocking_streams_work(remote):
-    """The legacy default stream waits for the blocking streams: so must its consumer, though its own query
-    says it is idle (a queue's feeder thread exports on it)."""
+    """The legacy default stream waits for the blocking streams: so must its consumer (a queue's feeder thread
+    exports on it). Its query counts their work: an event is recorded."""
     import cupy
 
     import cupy_ipc

@@ -126,22 +126,6 @@ def test_an_explicit_stream_of_another_gpu_is_refused_clearly(gpus, monkeypatch)
     ev._finalizer.detach()
 
 
-@pytest.mark.parametrize("done", [True, False], ids=["done", "queued"])
-def test_the_legacy_stream_gets_an_event_unless_the_event_has_completed(gpus, done):
-    # Its query does not see the work of the blocking streams it waits for (a queue's feeder thread exports on
-    # it): an event recorded there does.
-    STREAMS[0] = 0
-    try:
-        if not done:
-            gpus.busy.add(0)
-        h = _array_handle.get_ipc_handle(_array_on(0)[::2])
-        assert gpus.recorded and gpus.recorded[-1][1] == 0
-        assert h.synced is not done
-        h.release()
-    finally:
-        STREAMS[0] = 0xA0
-
-
 @pytest.mark.parametrize("first", ["common", "general"])
 @pytest.mark.parametrize("again", [dict(), dict(sync=False), dict(keepalive=False), dict(keepalive=False, sync=False),
                                    dict(consumers=3), dict(lease=60.0)])
