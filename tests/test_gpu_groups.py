@@ -64,10 +64,14 @@ def test_our_memory_opened_on_a_peer_gpu_and_sent_on_leaves_plain_arrays_of_its_
         a = cupy.arange(24, dtype=cupy.float32)
     with cupy.cuda.Device(1):
         opened = cupy_ipc.get_ipc_handle(a).open(device=1)
-        assert cupy_ipc.get_ipc_handle(opened).device.ordinal == 0
+        handles = [cupy_ipc.get_ipc_handle(opened)]
+        assert handles[0].device.ordinal == 0
         for _ in range(2):  # a first array of the layout on GPU 1, then one the fast path exports
             plain = cupy.arange(24, dtype=cupy.float32)
-            assert cupy_ipc.get_ipc_handle(plain).device.ordinal == 1
+            handles.append(cupy_ipc.get_ipc_handle(plain))
+            assert handles[-1].device.ordinal == 1
+    for h in handles:  # never opened: pinned until released (the first also holds `opened`, which holds a's)
+        h.release()
 
 
 def test_a_pool_array_opened_on_both_gpus_stays_readable_on_one_when_the_other_is_dropped(remote):
