@@ -336,9 +336,12 @@ def get_ipc_handle(
             ``__dlpack__`` or ``__cuda_array_interface__`` on a CUDA device
             (a PyTorch tensor, a Numba device array).
         stream: Where the work that produces the array was queued (default:
-            CuPy's current stream). With ``sync``, if that stream still has
-            work queued, the handle carries an event recorded there and
-            ``open()`` makes the consumer's stream wait on it on the GPU.
+            CuPy's current stream of the array's GPU). With ``sync``, if
+            that stream still has work queued, the handle carries an event
+            recorded there and ``open()`` makes the consumer's stream wait on
+            it on the GPU. (By default, for an array of a GPU other than the
+            current one, the current GPU's stream is also waited for, on the
+            host: CuPy runs its kernels on the current GPU.)
         keepalive: Keep the memory alive until ``consumers`` processes have
             opened the handle and finished with it. Turn off only if you keep
             the array alive yourself until every consumer is done.
@@ -377,6 +380,8 @@ def get_ipc_handle(
     if lease is not None:
         lease = checked_lease(lease)
     arr = _as_cupy(array)
+    if stream is not None and sync:
+        _cuda.check_default_stream_of(stream, _cuda.stream_ptr(stream), arr.data.device_id, "the array")
     if arr.size == 0:
         device = arr.data.device_id
         fields = ArrayFields(Kind.EMPTY, 0, dtype_of(arr.dtype), _NO_HANDLE, 0, 0, 0, 0,
@@ -398,6 +403,13 @@ def get_ipc_handle(
     if keepalive or sync:
         device = arr.data.device_id  # where the producer's stream and its event live
         stream_ptr = _cuda.stream_ptr(stream, device) if sync else None  # (by default the array's GPU's)
+        current = _cuda.current_device()
+        if sync and stream is None and current != device:
+            # CuPy runs kernels on the current GPU, also on another GPU's array (peer access): work on the array
+            # may be queued on the current GPU's stream, which no event of the array's GPU captures. Waited for.
+            current_ptr = _cuda.stream_ptr(None)
+            if not _cuda.stream_idle(current_ptr):
+                _cuda.call("waiting for the current GPU's work", _cuda.rt().streamSynchronize, current_ptr)
         if stream_ptr is not None and template.device.ordinal != device:
             # An array opened here on a peer GPU, sent on: its handle names the memory's GPU, whose streams
             # must not wait on an event of this one (that ends the consumer's process). Waited for here.
@@ -406,7 +418,7 @@ def get_ipc_handle(
             stream_ptr = None
         pin = (array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
                device, consumers, lease, stream_ptr, (arr.shape, template.dtype))
-        if _cuda.current_device() == device:
+        if current == device:
             export_id, slot, event = _keepalive.pin(*pin)
         else:
             with _cuda.using_device(device):
@@ -885,7 +897,9 @@ class IpcArrayHandle:
                 )
         if stream is not None:
             stream_obj = _cuda.as_cupy_stream(stream)
-            if stream_obj.ptr not in (0, 1, 2) and (owner := _cuda.stream_device(stream_obj.ptr)) != target:
+            sptr = stream_obj.ptr  # a default stream's GPU is the one its object names, if any (PyTorch's do)
+            owner = _cuda.default_stream_device(stream) if sptr in (0, 1, 2) else _cuda.stream_device(sptr)
+            if owner is not None and owner != target:
                 # Its work could not be ordered, nor the release recorded on it: the memory stayed pinned.
                 raise IpcError(f"the stream belongs to GPU {owner}, and the array is opened on GPU {target}: "
                                f"pass a stream of GPU {target}, or open it there")
@@ -986,7 +1000,7 @@ class IpcArrayHandle:
         try:
             if f.flags & FLAG_EVENT:
                 if from_us:
-                    _keepalive.wait_own_event(f.export_id, stream_obj)
+                    _keepalive.wait_own_event(f.export_id, stream_obj.ptr, stream_device)
                 else:
                     ev = open_cached(f.event_handle, home, producer)
                     if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow

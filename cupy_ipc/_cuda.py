@@ -455,6 +455,25 @@ def stream_ptr(stream: Any, device: int = -1) -> int:
     raise TypeError(f"not a CUDA stream: {stream!r}")
 
 
+def default_stream_device(stream: Any) -> int | None:
+    """The GPU that an object of a default stream (handle 0, 1 or 2) says it is of: a PyTorch stream's
+    ``device_index``, a ``cupy.cuda.ExternalStream``'s ``device_id``; ``None`` where it does not say (CuPy's
+    ``Stream.null`` and ``Stream.ptds``: the current GPU's)."""
+    for name in ("device_index", "device_id"):
+        d = getattr(stream, name, None)
+        if isinstance(d, int) and d >= 0:
+            return d
+    return None
+
+
+def check_default_stream_of(stream: Any, ptr: int, device: int, what: str) -> None:
+    """Refuse a default stream (handle 0, 1 or 2) whose object says it is of a GPU other than ``device``, where
+    ``what`` is: a handle that names no GPU would act on ``device``'s own default stream instead."""
+    if ptr in (0, 1, 2) and (owner := default_stream_device(stream)) not in (None, device):
+        raise IpcError(f"the stream belongs to GPU {owner}, and {what} to GPU {device}: pass a stream of GPU "
+                       f"{device}")
+
+
 def stream_device(ptr: int) -> int:
     """Ordinal of the GPU a raw stream belongs to; the current GPU for the default streams."""
     runtime = rt()

@@ -114,6 +114,7 @@ class IpcEvent:
         event's GPU."""
         ptr = self.ptr  # first: it checks for a fork
         stream_ptr = _cuda.stream_ptr(stream, self._device)
+        _cuda.check_default_stream_of(stream, stream_ptr, self._device, "the event")
         try:
             with _cuda.using_device(self._device):  # (a default stream acts on the current GPU)
                 _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, stream_ptr)
@@ -129,7 +130,8 @@ class IpcEvent:
         """
         _fork.check()  # before asking CUDA for the stream's device
         ptr = _cuda.stream_ptr(stream)
-        self.wait_from(ptr, _cuda.stream_device(ptr))
+        owner = _cuda.default_stream_device(stream) if ptr in (0, 1, 2) else None  # (torch's default streams)
+        self.wait_from(ptr, _cuda.stream_device(ptr) if owner is None else owner)
 
     def wait_from(self, stream_ptr: int, stream_device: int) -> None:
         """:meth:`wait` for a raw stream of a known GPU (``0``: that GPU's default stream)."""

@@ -289,8 +289,10 @@ def reset() -> None:
 os.register_at_fork(after_in_child=reset)
 
 
-def wait_own_event(export_id: int, stream: Any) -> None:
-    """In the exporting process: make ``stream`` wait on an export's ordering event."""
+def wait_own_event(export_id: int, stream_ptr: int, stream_device: int) -> None:
+    """In the exporting process: make raw stream ``stream_ptr`` of GPU ``stream_device`` wait on an export's
+    ordering event (the device given, not the current one: a default stream's GPU is not the current one on a
+    staged open)."""
     p = _pins.get(export_id)
     if p is not None and p.event is not None:
-        p.event.wait(stream)
+        p.event.wait_from(stream_ptr, stream_device)

@@ -455,7 +455,7 @@ class Lease:
     """
 
     __slots__ = ("keep", "mapping_key", "claim_key", "stream", "device", "ptr", "memory_handle",
-                 "allocation_size", "imported", "memory_device")
+                 "allocation_size", "imported", "memory_device", "opener")
 
     def __init__(self, keep: Any, mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None,
                  stream: Any, device: int, mapping: _Mapping, memory_handle: bytes, allocation_size: int,
@@ -470,6 +470,7 @@ class Lease:
         self.memory_handle = memory_handle
         self.allocation_size = allocation_size
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
+        self.opener = threading.get_ident()  # whose per-thread default stream ``stream`` is, if it is one
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
         # (None: abandoned, already let go; unset: interrupted while it was made, let go by acquire)
@@ -477,7 +478,8 @@ class Lease:
             return
         if _fork.forked_after_cuda():  # an array inherited by a forked child: its CUDA calls would crash or hang
             return
-        _release(self.mapping_key, self.claim_key, self.stream, self.device, _reaper.collecting())
+        _release(self.mapping_key, self.claim_key, self.stream, self.device, _reaper.collecting(),
+                 opener=getattr(self, "opener", None))
 
 
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:
@@ -495,15 +497,21 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
+_PER_THREAD = 2  # cudaStreamPerThread
 
 
 def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int,
-             defer: bool = False) -> None:
+             defer: bool = False, opener: int | None = None) -> None:
     """Let the consumer's claim and mapping go once its work on ``stream`` is done: now, or on the library's
     thread if ``defer`` (a garbage collection runs) or that work is still queued. The stream is looked at
-    here, on the thread that dropped the array, whose default stream it may be."""
+    here, on the thread that dropped the array, whose default stream it may be; a per-thread default stream
+    of another thread, the ``opener``'s, cannot be named here, and the whole GPU's work is waited for."""
     try:
         ptr = stream.ptr
+        if ptr == _PER_THREAD and opener is not None and opener != threading.get_ident():
+            # Another thread's per-thread stream, which this thread cannot name: wait for the whole GPU.
+            _reaper.later(_finish, mapping_key, claim_key, after=_reaper.WHOLE_DEVICE, device=device)
+            return
         if ptr in _DEFAULT_STREAMS and _cuda.rt().getDevice() != device:
             with _cuda.using_device(device):
                 idle = _cuda.stream_idle(ptr)

@@ -54,7 +54,7 @@ def test_a_lease_that_the_garbage_collector_frees_defers_the_end_of_its_release(
     # Its consumer's stream is looked at on the finalizing thread (whose default stream it may be); the claim
     # and mapping, which take the library's locks, are let go on the library's thread (a GPU test runs it).
     deferred: list[bool] = []
-    monkeypatch.setattr(_mapping, "_release", lambda *args: deferred.append(args[-1]))
+    monkeypatch.setattr(_mapping, "_release", lambda *args, **kw: deferred.append(args[-1]))
     dropped = _lease()
     del dropped
     cycle: list[object] = [_lease()]

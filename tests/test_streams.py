@@ -4,10 +4,12 @@ ordering event goes on, and the errors of a stream of another GPU. The GPU tests
 from __future__ import annotations
 
 import collections
+import gc
+import threading
 
 import pytest
 
-from cupy_ipc import IpcError, _array_handle, _cuda, _keepalive
+from cupy_ipc import IpcError, _array_handle, _cuda, _keepalive, _mapping, _reaper
 
 STREAMS = {0: 0xA0, 1: 0xB1}  # each GPU's current CuPy stream (CuPy keeps one per device)
 DEVICE_OF = {0xA0: 0, 0xB1: 1}
@@ -20,6 +22,7 @@ class _Runtime:
         self.device = 0
         self.busy: set[int] = set()
         self.recorded: list[tuple[int, int]] = []
+        self.synchronized: list[int] = []
         self.events = 0
 
     def getDevice(self) -> int:
@@ -33,6 +36,10 @@ class _Runtime:
 
     def streamQuery(self, ptr: int) -> int:
         return 600 if ptr in self.busy else 0  # cudaErrorNotReady
+
+    def streamSynchronize(self, ptr: int) -> None:
+        self.synchronized.append(ptr)
+        self.busy.discard(ptr)
 
     def eventQuery(self, ev: int) -> int:
         return 600 if self.recorded and self.recorded[-1][0] == ev and self.recorded[-1][1] in self.busy else 0
@@ -103,6 +110,7 @@ def test_work_on_the_current_gpus_stream_is_not_the_arrays(gpus):
     gpus.busy.add(STREAMS[0])
     h = _array_handle.get_ipc_handle(a)
     assert not h.synced and not gpus.recorded
+    assert gpus.synchronized == [STREAMS[0]]  # CuPy's kernels on the array may have run there: waited for
     h.release()
 
 
@@ -218,3 +226,147 @@ def test_threads_exporting_fresh_and_re_sent_arrays_get_consistent_handles(gpus)
     for h in handles:
         h.release()
     assert not errors and len(set(ids)) == len(ids)
+
+
+class _NullStream:
+    ptr = 0  # CuPy's Stream.null, the current stream of every GPU unless the user sets one
+
+
+def test_own_staged_open_waits_on_the_stream_that_copies(gpus, monkeypatch):
+    # A process opens its own export on GPU 1 with copy=True (GPU 0 holds the memory), with CuPy's default
+    # (legacy) stream current: the producer's event must be waited on by the stream that queues the copy (GPU 1's
+    # legacy stream), not by GPU 0's, or the copy may read the array before the producer's kernel wrote it.
+    import cupy
+
+    waits, copies = [], []
+    gpus.getDeviceCount = lambda: 2
+    gpus.streamWaitEvent = lambda s, ev, flags: waits.append((gpus.device, s))
+    gpus.memcpyPeerAsync = lambda dst, dd, src, sd, n, s: copies.append((gpus.device, s))
+    monkeypatch.setattr(_cuda, "_ordinals", {})
+    monkeypatch.setattr(_cuda, "can_access_peer", lambda a, b: a == b)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device_id=-1: _NullStream)
+    monkeypatch.setattr(cupy.cuda, "alloc", lambda n: cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(0x900000, n, None, gpus.device), 0))
+    a = _array_on(0)
+    busy = [True]  # the producer's kernel is still running on GPU 0's legacy stream
+    gpus.streamQuery = lambda ptr: 600 if busy[0] and (gpus.device, ptr) == (0, 0) else 0
+    h = _array_handle.get_ipc_handle(a)
+    assert h.synced
+    b = None
+    try:
+        b = h.open(device=1, copy=True)
+        assert copies == [(1, 0)]
+        assert waits and waits[-1] == copies[-1], f"event waited on {waits}, copy queued on {copies}"
+    finally:
+        busy[0] = False
+        del b
+        h.close()
+        gc.collect()
+        h.release()
+
+
+def test_release_of_a_per_thread_stream_is_ordered_on_the_openers_stream(monkeypatch):
+    # An array opened on the per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) and dropped on
+    # another thread: that thread's own per-thread stream is idle, the opener's still reads the memory. The
+    # release must not let the producer's memory go at once.
+    class Runtime:
+        def getDevice(self):
+            return 0
+
+        def setDevice(self, d):
+            pass
+
+        def streamQuery(self, ptr):
+            return 600 if ptr == 2 and threading.get_ident() == opener else 0
+
+    class Ptds:
+        ptr = 2
+
+    class Mapping:
+        ptr, imported = 0x1000, True
+
+    opener = threading.get_ident()
+    finished, deferred = [], []
+    monkeypatch.setattr(_cuda, "rt", lambda: Runtime())
+    monkeypatch.setattr(_mapping, "_finish", lambda *a, **k: finished.append(a))
+    monkeypatch.setattr(_reaper, "later", lambda then, *a, after=None, device=0: deferred.append(after))
+    box = [_mapping.Lease(None, ("key",), None, Ptds(), 0, Mapping(), b"", 0x1000, 0)]
+
+    def drop():
+        box.clear()  # the last reference: Lease.__del__ runs on this thread
+
+    t = threading.Thread(target=drop)
+    t.start()
+    t.join()
+    assert not finished, "released at once: the opener's per-thread stream may still be reading the memory"
+    assert deferred and deferred[0] is not None
+
+
+def test_work_queued_on_the_current_gpu_for_an_array_of_another_is_waited_for(gpus):
+    # CuPy runs a kernel on the current GPU (0) even for an array of GPU 1 (peer access): `a[...] = x` with GPU 0
+    # current queues the write on GPU 0's current stream. The default export orders on GPU 1's stream only,
+    # idle here: the handle goes out unordered while the write may still run.
+    synced: list[int] = []
+    gpus.streamSynchronize = lambda ptr: (synced.append(ptr), gpus.busy.discard(ptr))
+    a = _array_on(1)
+    gpus.busy.add(STREAMS[0])
+    h = _array_handle.get_ipc_handle(a)
+    try:
+        assert h.synced or STREAMS[0] in synced, "GPU 0's pending write on the array is not ordered before the consumer"
+    finally:
+        h.release()
+
+
+class _TorchDefaultStream:
+    """What torch.cuda.default_stream(1) is: the legacy stream (handle 0) of a given GPU."""
+
+    cuda_stream = 0
+    device_index = 1
+
+
+def test_waiting_with_a_default_stream_of_another_gpu_orders_that_gpus_stream(gpus):
+    import cupy_ipc
+
+    waits = []
+    gpus.streamWaitEvent = lambda s, ev, flags: waits.append((gpus.device, s))
+    gpus.device = 1
+    ev = cupy_ipc.IpcEvent()  # of GPU 1, created here
+    gpus.device = 0
+    try:
+        ev.wait(_TorchDefaultStream())
+        assert waits == [(1, 0)], f"GPU 1's default stream was to wait; the waits queued: {waits}"
+    finally:
+        ev._finalizer.detach()
+
+
+class _TorchDefaultStreamOfGpu0:
+    """What ``torch.cuda.default_stream(0)`` looks like: the legacy handle 0, and the GPU it names."""
+
+    cuda_stream = 0
+    device_index = 0
+
+
+def test_a_default_stream_naming_another_gpu_is_refused_where_the_handle_alone_would_act_on_this_one(
+        gpus, monkeypatch):
+    # Handle 0 names no GPU: taken alone, it would order the array's GPU's own legacy stream, not the one given.
+    import cupy_ipc
+
+    gpus.getDeviceCount = lambda: 2
+    monkeypatch.setattr(_cuda, "_ordinals", {})
+    a = _array_on(1)
+    gpus.busy.add(STREAMS[0])
+    with pytest.raises(IpcError, match="the stream belongs to GPU 0, and the array to GPU 1"):
+        _array_handle.get_ipc_handle(a, stream=_TorchDefaultStreamOfGpu0())
+    assert not cupy_ipc.pinned()
+    gpus.device = 1
+    ev = cupy_ipc.IpcEvent()
+    try:
+        with pytest.raises(IpcError, match="the stream belongs to GPU 0, and the event to GPU 1"):
+            ev.record(_TorchDefaultStreamOfGpu0())
+        assert not gpus.recorded
+        h = _array_handle.get_ipc_handle(a, sync=False, keepalive=False)
+        with pytest.raises(IpcError, match="the stream belongs to GPU 0, and the array is opened on GPU 1"):
+            h.open(device=1, stream=_TorchDefaultStreamOfGpu0())
+    finally:
+        ev._finalizer.detach()
+
