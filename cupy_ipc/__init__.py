@@ -68,7 +68,7 @@ def collect() -> None:
 
     In a producer: end the pins of exports whose consumers are done. In a
     consumer: unmap idle mappings, destroy cached producer events, and let
-    go of the pools imported from producers that have exited.
+    go of the pools imported of which nothing is mapped any more.
 
     Example:
         >>> import cupy_ipc
@@ -78,7 +78,7 @@ def collect() -> None:
     _vmm.sweep()
     _mapping.collect_idle()
     _events.drop_cached()
-    _pools.release_exited()
+    _pools.release_exited(alive_too=True)
 
 
 def pinned() -> list[PinInfo]:

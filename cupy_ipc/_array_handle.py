@@ -256,7 +256,7 @@ def _template(arr: Any) -> ArrayFields:
             memory_handle, fd, resource = _pools.export(base, pool)
             kind = Kind.POOL
             _remember_export(memory_handle, base, buffer_id)
-        elif _vmm.is_vmm(base):
+        elif _vmm.is_vmm(arr.data.ptr):  # not base: virtual memory's is its reservation's, maybe unmapped
             # Virtual memory is mapped piece by piece (PyTorch's expandable
             # segments): share every piece the array reaches.
             lo, hi = byte_extent(arr.shape, arr.strides, dtype.itemsize)

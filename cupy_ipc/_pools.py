@@ -15,6 +15,7 @@ import itertools
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Callable
 
 from . import _cuda, _fdserver, _reaper, _segment
@@ -168,19 +169,33 @@ def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
     return hit[0]
 
 
-def release_exited() -> int:
-    """Let go of the pools imported from producers that have exited, where nothing of them is mapped any
-    more (arrays and idle mappings gone): their descriptors close and the driver releases them. Returns
-    how many."""
+def release_exited(alive_too: bool = False) -> int:
+    """Let go of the pools imported from producers that have exited (``alive_too``: from any producer), where
+    nothing of them is mapped any more (arrays and idle mappings gone): their descriptors close and the driver
+    releases them. Returns how many. (An import keeps the pool's memory allocated in its producer even after the
+    producer destroys the pool: a live producer's pool is let go by ``collect()``, and imported again if needed.)"""
     with _lock:
         unused = [(key, hit) for key, hit in _imports.items() if key not in _live]
     exited = []
     for key, hit in unused:
+        if alive_too:
+            exited.append((key, hit))
+            continue
         try:
             _segment.attach(key[0], hit[2])  # by the producer's segment, which a reused pid cannot fool
         except ProducerExitedError:
             exited.append((key, hit))
+        except IpcError:  # cannot tell (too many open files, say): keep it, and let the caller's work go on
+            pass
     gone: list[int] = []
+    try:
+        return _release(exited, gone)
+    finally:  # also if interrupted midway: the descriptors taken out of the tables are closed
+        _fdserver.retire(gone)  # outside _lock, which the descriptor server's check takes
+
+
+def _release(exited: list[tuple[tuple[bytes, int], tuple[Any, int, int]]], gone: list[int]) -> int:
+    """release_exited's part under _lock: ``gone`` receives the descriptors to close; returns how many keys went."""
     ended = 0
     with _lock:
         for key, hit in exited:
@@ -203,19 +218,20 @@ def release_exited() -> int:
                     gone.append(own[0])
             _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
             _driver().cuMemPoolDestroy(hit[0])  # under the lock that imports take (see _imported_pool)
-    _fdserver.retire(gone)  # outside _lock, which the descriptor server's check takes
     return ended
 
 
 def _give_access(pool: Any, device: int, home: int) -> None:
     driver = _driver()
     key = (int(pool), device)
-    if key in _access:
-        return
+    with _lock:  # release_exited iterates and trims _access under it
+        if key in _access:
+            return
     (err,) = driver.cuMemPoolSetAccess(pool, [_cuda.access_desc(device)], 1)
     if err != driver.CUresult.CUDA_SUCCESS and device != home:
         _cuda.check(f"giving GPU {device} access to the imported pool", err)
-    _access.add(key)
+    with _lock:
+        _access.add(key)
 
 
 def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tuple[int, ...] | None]) -> int:
@@ -254,11 +270,11 @@ def free_imported(ptr: int, key: tuple[bytes, int] | None = None) -> None:
             _live_change(mine, -1)
             return
     (err,) = _driver().cuMemFree(ptr)
-    _cuda.check("freeing the imported pool allocation", err)
-    with _lock:
+    with _lock:  # also when the free failed: a stale entry would make the next import's free skip cuMemFree
         keys = _pointer_pool.pop(ptr, None)
         if keys:
             _live_change(keys[0], -1)
+    _cuda.check("freeing the imported pool allocation", err)
 
 
 def forget() -> None:
@@ -280,12 +296,13 @@ class _DriverPools:
     this object (through the allocator's free), the pool object too, and nothing here holds them: so it goes
     with the last of them, by reference count, and destroys the pools then."""
 
-    __slots__ = ("pools", "pid", "finalizing", "cupy", "runtime")
+    __slots__ = ("pools", "pid", "finalizing", "cupy", "runtime", "streams")
 
     def __init__(self, runtime: Any) -> None:
         import cupy
 
         self.pools: dict[int, Any] = {}
+        self.streams: dict[int, Any] = {}  # each live block's allocation stream (a weak reference), where it is freed
         self.pid, self.finalizing = os.getpid(), sys.is_finalizing  # what __del__ needs, even if creation fails
         self.cupy, self.runtime = cupy, runtime
 
@@ -297,15 +314,25 @@ class _DriverPools:
         return int(pool)
 
     def malloc(self, size: int, device: int) -> int:
-        return self.runtime.mallocFromPoolAsync(size, self.pool(device), self.cupy.cuda.get_current_stream().ptr)
+        stream = self.cupy.cuda.get_current_stream()
+        ptr = self.runtime.mallocFromPoolAsync(size, self.pool(device), stream.ptr)
+        self.streams[ptr] = weakref.ref(stream)
+        return ptr
 
     def free(self, ptr: int, device: int) -> None:
         # Bound names only: blocks are also freed while the interpreter shuts down, when imports fail and
         # module globals are gone; the driver releases the pool's memory with the process then anyway.
+        ref = self.streams.pop(ptr, None)
         if self.finalizing():
             return
         with self.cupy.cuda.Device(device):
-            self.runtime.freeAsync(ptr, self.cupy.cuda.get_current_stream().ptr)
+            # After the work queued where the block was allocated, as CuPy's MemoryAsync frees: the current
+            # stream may be another, non-blocking one (a pin let go on the library's thread, say). A stream
+            # object gone since was destroyed with it: the current one then, as CuPy does.
+            stream = ref() if ref is not None else None
+            if stream is None:
+                stream = self.cupy.cuda.get_current_stream()
+            self.runtime.freeAsync(ptr, stream.ptr)
 
     def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
         # Nothing allocated here is still in use, nor awaited by a consumer (a pin holds its array). Destroying

@@ -169,11 +169,43 @@ def test_a_consumer_lets_go_of_the_pool_of_a_producer_that_exited_once_it_maps_n
     np.testing.assert_array_equal(consumer.call("read_held", "a")[:3], [3.0, 4.0, 5.0])
     consumer.call("drop", "a")
     after = consumer.call("collect_pools")  # nothing mapped any more, and the producer is gone
-    assert after == before  # the pool's descriptor is closed; the live producer's pool stays
+    assert after == before  # the pool's descriptor is closed (collect() lets go of unused pools of live producers too)
     # A new producer's pool imports as before, with the access the import gives (a pool handle let go may
     # be the driver's value for the new one).
     r = consumer.call("open_pool_bytes", third.call("pool_producer", N, 1.0))
     assert r["sum"] == _expected_sum(offset=1.0) and r["pools_imported"] == before["pools_imported"] + 1
+
+
+def test_a_pool_that_its_live_producer_dropped_gives_its_memory_back_at_the_consumers_collect(remote):
+    # A consumer's import keeps the pool's memory allocated, even once its producer destroyed the pool: collect()
+    # lets go of every imported pool nothing is mapped from (before, only those of producers that had exited).
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    consumer.call("warm_up")
+    cupy.cuda.Device().synchronize()
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    n = 1 << 28  # 1 GiB of float32
+    pool, a = _shareable(n)
+    assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())["kind"] == "pool"
+    assert consumer.call("collect_pools")["pools_imported"] == 0  # let go of: nothing of it is mapped
+    a[0] = 7.0
+    r = consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())  # imported again
+    assert r["kind"] == "pool" and r["pools_imported"] == 1
+    assert float(a[0]) == -1.0  # its write landed in this memory
+    del a, pool  # the pool is destroyed once its pin ends: the consumer has closed the array
+    deadline = time.monotonic() + 10
+    while cupy_ipc.pinned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cupy_ipc.pinned() == []
+    consumer.call("collect_pools")
+    deadline = time.monotonic() + 10
+    while cupy.cuda.runtime.memGetInfo()[0] < free_before - (256 << 20) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = free_before - cupy.cuda.runtime.memGetInfo()[0]
+    assert held < 256 << 20, f"{held >> 20} MiB still held after the producer dropped the pool"
 
 
 def test_a_pool_received_from_its_producer_and_from_a_relay_that_exits_stays_imported(remote):
@@ -199,7 +231,7 @@ def test_a_pool_received_from_its_producer_and_from_a_relay_that_exits_stays_imp
     consumer.call("drop", "direct")  # (the driver defers a pool's destruction while a pointer of it lives)
     relay.kill()
     time.sleep(0.5)
-    consumer.call("collect")  # B's key goes: B exited, and nothing of it is mapped
+    consumer.call("release_exited")  # B's key goes: B exited, and nothing of it is mapped
     assert consumer.call("state")["pools"] == two_keys - 1
     assert consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(c).to_bytes())["sum"] == \
         _expected_sum(offset=3.0)  # the pool, imported under our key, still imports its allocations

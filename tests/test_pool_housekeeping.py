@@ -1,0 +1,226 @@
+"""Imported pools let go, access given, frees and streams of ShareableMemoryPool, and virtual memory in a
+reservation with an unmapped head, without a GPU: the driver is test_pool_imports's stub."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+import types
+
+import numpy as np
+import pytest
+import test_pool_imports
+from test_pool_imports import POOL, A, B
+
+import cupy_ipc
+from cupy_ipc import _array_handle, _cuda, _pools, _vmm
+from cupy_ipc._errors import IpcError, ProducerExitedError
+from cupy_ipc._wire import DeviceId, Kind
+
+PTR = 0xB000
+
+
+class _Err:
+    name = "CUDA_ERROR_INVALID_CONTEXT"
+
+
+class _Driver(test_pool_imports._Driver):
+    """The stub of test_pool_imports, with pointer imports and frees that can fail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free_fails = 0
+
+    def cuMemPoolSetAccess(self, pool, descs, n):  # noqa: N802
+        return (0,)
+
+    def CUmemPoolPtrExportData(self):  # noqa: N802
+        buf = ctypes.create_string_buffer(64)
+        return types.SimpleNamespace(getPtr=lambda: ctypes.addressof(buf), buf=buf)
+
+    def cuMemPoolImportPointer(self, pool, data):  # noqa: N802
+        return 0, PTR  # one pointer for every import of the allocation
+
+    def cuMemFree(self, ptr):  # noqa: N802
+        if self.free_fails:
+            self.free_fails -= 1
+            return (_Err(),)
+        return super().cuMemFree(ptr)
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    d = _Driver()
+    monkeypatch.setattr(_pools, "_driver", lambda: d)
+    monkeypatch.setattr(_pools._cuda, "_driver", lambda: d)
+    monkeypatch.setattr(_pools._cuda, "access_desc", lambda device: device)
+    monkeypatch.setattr(_pools._cuda, "rt", lambda: types.SimpleNamespace(setDevice=lambda d: None))
+    d.retired = []
+    monkeypatch.setattr(_pools._fdserver, "retire", d.retired.extend)
+    for name in ("_imports", "_live", "_pointer_pool", "_exports"):
+        monkeypatch.setattr(_pools, name, {})
+    monkeypatch.setattr(_pools, "_access", {(POOL, 0)})
+    return d
+
+
+def _fields(key):
+    return types.SimpleNamespace(producer=types.SimpleNamespace(token=key[0], pid=1001), resource=key[1], fd=5,
+                                 memory_handle=bytes(64))
+
+
+# A pool whose producer lives on but destroyed it (ShareableMemoryPool dropped) is never let go: on an H200 the
+# consumer's import kept the pool's 1 GiB allocated on the GPU until the consumer exited, collect() or not.
+def test_collect_lets_go_of_a_pool_nothing_is_mapped_from_even_if_its_producer_lives(driver, monkeypatch):
+    _pools._imports[A] = (POOL, 101, 1001)
+    monkeypatch.setattr(_pools._segment, "attach", lambda token, pid: object())  # the producer is alive
+    cupy_ipc.collect()
+    assert _pools._imports == {} and driver.destroyed == [POOL] and driver.retired == [101]
+
+
+# An unrelated producer's segment that cannot be opened (EMFILE, EACCES, ...) makes release_exited raise, and
+# with it the import of a new producer's pool, which calls it first.
+def test_a_segment_that_cannot_be_opened_does_not_fail_an_unrelated_import(driver, monkeypatch):
+    _pools._imports[A] = (POOL + 1, 101, 1001)
+
+    def attach(token, pid):
+        raise IpcError("cannot open the segment of the producer process (pid 1001): Too many open files")
+
+    monkeypatch.setattr(_pools._segment, "attach", attach)
+    r, w = _pipe()
+    assert _pools._imported_pool(B[0], B[1], 1002, 5, lambda: (r,)) == POOL
+    assert A in _pools._imports and _pools._live == {B: 1}
+    _close(w)
+
+
+# _give_access changes _access without _lock, while release_exited iterates it under _lock (collect() on
+# another thread): "Set changed size during iteration" midway leaves the pool undestroyed, its key gone and
+# its descriptor open.
+def test_access_given_during_release_exited_does_not_break_it(driver, monkeypatch):
+    other, threads = POOL + 1, []
+
+    class Racy(set):
+        def __iter__(self):
+            inner = set.__iter__(self)
+            yield next(inner)
+            t = threading.Thread(target=_pools._give_access, args=(other, 0, 0), daemon=True)
+            threads.append(t)
+            t.start()
+            t.join(0.5)  # an open on another thread gives its pool access meanwhile
+            yield from inner
+
+    monkeypatch.setattr(_pools, "_access", Racy({(POOL, 0), (POOL, 1)}))
+    _pools._imports[A] = (POOL, 101, 1001)
+    monkeypatch.setattr(_pools._segment, "attach", _exited(A))
+    try:
+        assert _pools.release_exited() == 1
+        assert driver.destroyed == [POOL] and driver.retired == [101]
+    finally:
+        for t in threads:
+            t.join(5)  # done before the stubs go
+    assert (other, 0) in _pools._access
+
+
+# A failed cuMemFree leaves the pointer's entry: the pool's count never drops (never released), and the next
+# import of the allocation (same pointer) is appended to the stale entry, so its free is skipped as "another
+# mapping still holds it" -- the import outlives the claim, and the producer frees first.
+def test_a_failed_free_leaves_no_stale_entry_that_skips_the_next_free(driver):
+    _pools._imports[A] = (POOL, 101, 1001)
+    assert _pools.import_pointer(_fields(A), 0, 0, lambda: None) == PTR
+    driver.free_fails = 1
+    with pytest.raises(IpcError):
+        _pools.free_imported(PTR, A)
+    assert _pools.import_pointer(_fields(A), 0, 0, lambda: None) == PTR  # the allocation sent again
+    _pools.free_imported(PTR, A)
+    assert driver.freed == [PTR] and _pools._live == {} and _pools._pointer_pool == {}
+
+
+# cuPointerGetAttributes reports virtual memory's base as the whole reservation's (on an H200: base = start
+# of a 6 MiB reservation whose first 2 MiB were unmapped, size 6 MiB). _template asks is_vmm() at that base:
+# an array whose reservation starts with an unmapped range is refused as "neither ... virtual memory API's".
+def test_virtual_memory_in_a_reservation_with_an_unmapped_head_exports(monkeypatch):
+    va, g = 0x7F0000000000, 2 << 20
+    mapped = range(va + g, va + 3 * g)
+    monkeypatch.setattr(_cuda, "legacy_info", lambda p: None)
+    monkeypatch.setattr(_cuda, "pointer_info", lambda p: _cuda.PointerInfo(va, 3 * g, 7, "device", False))
+    monkeypatch.setattr(_pools, "pool_of", lambda p: 0)
+    monkeypatch.setattr(_vmm, "_handle_at", lambda p: (0, 0x77) if p in mapped else (_Err(), None))
+    monkeypatch.setattr(_vmm, "export_pieces", lambda lo, hi, d: [(va + g, g, 11, 1, 5), (va + 2 * g, g, 12, 2, 6)])
+    monkeypatch.setattr(_vmm, "sweep_if_grown", lambda: 0)
+    monkeypatch.setattr(_vmm, "pieces_id", lambda ids: 99)
+    monkeypatch.setattr(_cuda, "using_device", lambda d: _Null())
+    monkeypatch.setattr(_array_handle, "_device_id", lambda d: DeviceId(0, bytes(16)))
+    arr = types.SimpleNamespace(dtype=np.dtype("float32"), shape=(g // 4,), strides=(4,),
+                                data=types.SimpleNamespace(ptr=va + g + g // 2, device_id=0,
+                                                           mem=types.SimpleNamespace(_owner=None)))
+    f = _array_handle._template(arr)
+    assert (f.kind, f.base_ptr, f.offset, f.allocation_size, f.more) == (Kind.VMM, va + g, g // 2, 2 * g, ((12, g),))
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _exited(*keys):
+    def attach(token, pid):
+        if any(token == k[0] for k in keys):
+            raise ProducerExitedError("gone", pid=pid)
+        return object()
+
+    return attach
+
+
+def _pipe():
+    import os
+
+    return os.pipe()
+
+
+def _close(fd):
+    import os
+
+    os.close(fd)
+
+
+# A block is freed (cudaFreeAsync) on whatever stream is current where its last reference goes -- a pin let go
+# by the library's sweep, say -- not on the stream it was allocated and used on, as CuPy's own MemoryAsync
+# does. With a non-blocking (or per-thread default) stream, the pool may hand the block to the next allocation
+# while work queued on the first stream still reads or writes it.
+def test_a_block_is_freed_on_the_stream_it_was_allocated_on():
+    calls = []
+
+    class Stream:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    current = [Stream(0x51)]
+
+    class Runtime:
+        def mallocFromPoolAsync(self, size, pool, stream):  # noqa: N802
+            calls.append(("malloc", stream))
+            return 0x1000
+
+        def freeAsync(self, ptr, stream):  # noqa: N802
+            calls.append(("free", stream))
+
+    pools = _pools._DriverPools(Runtime())
+    pools.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: current[0],
+                                                                  Device=lambda d: _Null()))
+    pools.pools[0] = POOL
+    try:
+        ptr = pools.malloc(64, 0)  # allocated, and used, on stream 0x51 (non-blocking, say)
+        first, current[0] = current[0], Stream(0x52)  # dropped where another stream is current
+        pools.free(ptr, 0)
+        assert calls == [("malloc", 0x51), ("free", 0x51)]
+        del first
+        ptr = pools.malloc(64, 0)  # on 0x52, whose stream object then goes (destroyed): never named to the driver
+        current[0] = Stream(0x53)
+        gc.collect()
+        pools.free(ptr, 0)
+        assert calls[2:] == [("malloc", 0x52), ("free", 0x53)]
+    finally:
+        pools.pools = {}
