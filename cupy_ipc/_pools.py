@@ -178,15 +178,17 @@ def release_exited(alive_too: bool = False) -> int:
         unused = [(key, hit) for key, hit in _imports.items() if key not in _live]
     exited = []
     for key, hit in unused:
-        if alive_too:
-            exited.append((key, hit))
-            continue
+        # Asked also with alive_too: an attach that finds the producer gone forgets it (its segment and the
+        # events opened from it), as an open would.
         try:
             _segment.attach(key[0], hit[2])  # by the producer's segment, which a reused pid cannot fool
         except ProducerExitedError:
             exited.append((key, hit))
-        except IpcError:  # cannot tell (too many open files, say): keep it, and let the caller's work go on
+            continue
+        except IpcError:  # cannot tell (too many open files, say): let the caller's work go on
             pass
+        if alive_too:
+            exited.append((key, hit))
     gone: list[int] = []
     try:
         return _release(exited, gone)

@@ -58,7 +58,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     PYTHONPATH="$SITE" timeout 380 $PY -m pytest -q -m "gpu or multi_gpu" --timeout 240 -rfEs --durations 10 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/gpu-tests.log"
     gpu_rc=$?
-    PYTHONPATH="$SITE" timeout 120 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 \
+    PYTHONPATH="$SITE" timeout 200 $PY -m pytest -q -m "not gpu and not multi_gpu" -p no:cacheprovider 2>&1 \
         | tee "$OUT/cpu-tests.log"
     cpu_rc=$?
     timeout 60 $PY -m cupy_ipc demo 2>&1 | tee "$OUT/demo.log"

@@ -158,9 +158,11 @@ def test_consumer_keeps_reading_after_the_producer_is_killed(remote):
 
 def test_a_consumer_lets_go_of_the_pool_of_a_producer_that_exited_once_it_maps_nothing_of_it(remote):
     consumer, first, second, third = remote(), remote(), remote(), remote()
-    # A pool of a live producer first: CUDA's own descriptors are open before the count below.
-    assert consumer.call("open_pool_bytes", second.call("pool_producer", N))["sum"] == _expected_sum()
+    # A pool of a live producer first, held (collect() lets go of a pool nothing is mapped from): CUDA's own
+    # descriptors are open before the count below.
+    consumer.call("hold", second.call("pool_producer", N), "live")
     before = consumer.call("collect_pools")
+    assert before["pools_imported"] == 1
     consumer.call("hold", first.call("pool_producer", N, 3.0), "a")
     first.kill()
     time.sleep(0.5)
@@ -195,6 +197,7 @@ def test_a_pool_that_its_live_producer_dropped_gives_its_memory_back_at_the_cons
     r = consumer.call("open_pool_bytes", cupy_ipc.get_ipc_handle(a).to_bytes())  # imported again
     assert r["kind"] == "pool" and r["pools_imported"] == 1
     assert float(a[0]) == -1.0  # its write landed in this memory
+    consumer.call("collect_pools")  # its idle mapping and the pool let go of, as after the first open
     del a, pool  # the pool is destroyed once its pin ends: the consumer has closed the array
     deadline = time.monotonic() + 10
     while cupy_ipc.pinned() and time.monotonic() < deadline:

@@ -509,6 +509,25 @@ def test_idle_mappings_of_a_producer_that_has_gone_are_dropped_before_an_import(
         os.unlink(segment_path(other))
 
 
+def test_collect_forgets_the_producer_of_an_unused_pool_that_has_exited(token, start, monkeypatch):
+    # collect() lets go of every unused imported pool, of live producers too; one whose producer has exited
+    # also takes the producer's segment out of the table (its descriptor closes) and tells the other tables
+    # (its cached events go), as an open that finds the producer gone does. Before, its segment stayed open.
+    import cupy_ipc
+    from cupy_ipc import _pools
+
+    gone = start(_create_and_hold, token)
+    told = []
+    monkeypatch.setattr(_segment, "_on_exit", [told.append])
+    _segment.attach(token, gone.pid)
+    released = []
+    monkeypatch.setattr(_pools, "_imports", {(token, 7): ("pool", -1, gone.pid)})
+    monkeypatch.setattr(_pools, "_release", lambda exited, fds: released.extend(k for k, _ in exited) or 0)
+    kill(gone)
+    cupy_ipc.collect()
+    assert released == [(token, 7)] and told == [token] and token not in _segment._attached
+
+
 _EXITING_PRODUCER = """
 import multiprocessing, multiprocessing.util, os, sys, time  # (its exit function registered first)
 from cupy_ipc import _segment
