@@ -404,10 +404,11 @@ def get_ipc_handle(
         device = arr.data.device_id  # where the producer's stream and its event live
         stream_ptr = _cuda.stream_ptr(stream, device) if sync else None  # (by default the array's GPU's)
         current = _cuda.current_device()
-        if sync and stream is None and current != device:
+        if sync and current != device and (stream is None or (
+                _cuda.stream_ptr(stream) in (0, 1, 2) and _cuda.default_stream_device(stream) is None)):
             # CuPy runs kernels on the current GPU, also on another GPU's array (peer access): work on the array
             # may be queued on the current GPU's stream, which no event of the array's GPU captures. Waited for.
-            current_ptr = _cuda.stream_ptr(None)
+            current_ptr = _cuda.stream_ptr(stream)
             if not _cuda.stream_idle(current_ptr):
                 _cuda.call("waiting for the current GPU's work", _cuda.rt().streamSynchronize, current_ptr)
         if stream_ptr is not None and template.device.ordinal != device:

@@ -470,7 +470,7 @@ class Lease:
         self.memory_handle = memory_handle
         self.allocation_size = allocation_size
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
-        self.opener = threading.get_ident()  # whose per-thread default stream ``stream`` is, if it is one
+        self.opener = _thread_mark()  # whose per-thread default stream ``stream`` is, if it is one
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
         # (None: abandoned, already let go; unset: interrupted while it was made, let go by acquire)
@@ -496,19 +496,31 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
                 _unclaim(claim_key)
 
 
+_thread_marks = threading.local()
+
+
+def _thread_mark() -> object:
+    """This thread's own object: unlike its ident, never another (later) thread's while a lease holds it."""
+    try:
+        return _thread_marks.mark
+    except AttributeError:
+        mark = _thread_marks.mark = object()
+        return mark
+
+
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
 _PER_THREAD = 2  # cudaStreamPerThread
 
 
 def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int,
-             defer: bool = False, opener: int | None = None) -> None:
+             defer: bool = False, opener: object = None) -> None:
     """Let the consumer's claim and mapping go once its work on ``stream`` is done: now, or on the library's
     thread if ``defer`` (a garbage collection runs) or that work is still queued. The stream is looked at
     here, on the thread that dropped the array, whose default stream it may be; a per-thread default stream
     of another thread, the ``opener``'s, cannot be named here, and the whole GPU's work is waited for."""
     try:
         ptr = stream.ptr
-        if ptr == _PER_THREAD and opener is not None and opener != threading.get_ident():
+        if ptr == _PER_THREAD and opener is not None and opener is not _thread_mark():
             # Another thread's per-thread stream, which this thread cannot name: wait for the whole GPU.
             _reaper.later(_finish, mapping_key, claim_key, after=_reaper.WHOLE_DEVICE, device=device)
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import gc
 import threading
+import types
 
 import pytest
 
@@ -300,6 +301,57 @@ def test_release_of_a_per_thread_stream_is_ordered_on_the_openers_stream(monkeyp
     t.join()
     assert not finished, "released at once: the opener's per-thread stream may still be reading the memory"
     assert deferred and deferred[0] is not None
+
+
+def test_release_on_a_thread_that_took_a_finished_openers_ident_is_still_ordered(monkeypatch):
+    # CPython gives a finished thread's ident to a later one: the opener of an array on its per-thread stream
+    # exits, its work still queued, and a thread with its ident drops the array. That thread's own per-thread
+    # stream is idle; the opener's may still read the memory.
+    class Runtime:
+        def getDevice(self):
+            return 0
+
+        def setDevice(self, d):
+            pass
+
+        def streamQuery(self, ptr):
+            return 600 if ptr == 2 and threading.current_thread() is opener else 0
+
+    class Ptds:
+        ptr = 2
+
+    class Mapping:
+        ptr, imported = 0x1000, True
+
+    finished = []
+    monkeypatch.setattr(_mapping, "threading", types.SimpleNamespace(get_ident=lambda: 0x7F00))  # one ident
+    monkeypatch.setattr(_cuda, "rt", lambda: Runtime())
+    monkeypatch.setattr(_mapping, "_finish", lambda *a, **k: finished.append(a))
+    monkeypatch.setattr(_reaper, "later", lambda then, *a, after=None, device=0: None)
+    box = []
+    opener = threading.Thread(target=lambda: box.append(
+        _mapping.Lease(None, ("key",), None, Ptds(), 0, Mapping(), b"", 0x1000, 0)))
+    opener.start()
+    opener.join()
+    dropper = threading.Thread(target=box.clear)  # the last reference: Lease.__del__ runs there
+    dropper.start()
+    dropper.join()
+    assert not finished, "released at once: the finished opener's per-thread stream may still read the memory"
+
+
+def test_the_current_stream_passed_explicitly_orders_as_the_default_does(gpus):
+    # GPU 0 current, the array on GPU 1: `a[...] = x` queued on GPU 0's legacy stream, and the export given
+    # cupy.cuda.get_current_stream() (Stream.null, which names no GPU), which means what no stream means.
+    import cupy
+
+    gpus.streamQuery = lambda ptr: 600 if (gpus.device, ptr) == (0, 0) else 0
+    synced = []
+    gpus.streamSynchronize = lambda ptr: synced.append((gpus.device, ptr))
+    h = _array_handle.get_ipc_handle(_array_on(1), stream=cupy.cuda.Stream.null)
+    try:
+        assert h.synced or (0, 0) in synced, "GPU 0's pending write on the array is not ordered before the consumer"
+    finally:
+        h.release()
 
 
 def test_work_queued_on_the_current_gpu_for_an_array_of_another_is_waited_for(gpus):
