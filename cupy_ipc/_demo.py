@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import statistics
 import sys
 import time
 from typing import Any, Callable, TypeVar
@@ -13,30 +14,55 @@ __all__ = ["run_demo"]
 
 T = TypeVar("T")
 
+RESENT = 200  # messages of the same array, for the steady-state round trip
+FRESH = 50  # messages of a new array each
+
+
+def _warm_kernels() -> None:
+    """Create this process's CUDA context and load the kernels the demo runs (a sum, a fill, a multiply), so
+    that the times shown are the library's and not CUDA's one-time start (hundreds of milliseconds)."""
+    import cupy
+
+    w = cupy.ones(8, cupy.float32)
+    w *= 2
+    w[:2] = -1
+    float(w.sum())
+
 
 def _consumer(conn: Any) -> None:
     """The consumer process: open what arrives, check it, answer."""
     from . import IpcArrayHandle, IpcEvent, IpcEventHandle
 
     try:
-        array_data = conn.recv()
         t = time.perf_counter()
-        h = IpcArrayHandle.from_bytes(array_data)
-        arr = h.open()  # the current stream waits for the producer's work on the GPU
-        opened = time.perf_counter() - t
-        conn.send(("opened", opened, float(arr.sum())))
-        # Ordering by hand: wait for the producer's second write, then answer with our own event.
-        IpcEventHandle.from_bytes(conn.recv()).open().wait()
-        doubled = float(arr.sum())
-        arr[0, :] = -1
-        done = IpcEvent()
-        done.record()
-        conn.send(("doubled", doubled, done.get_ipc_handle().to_bytes()))
-        conn.recv()  # the producer has waited on our event
-        h.close()
-        del arr
-        done.close()
-        conn.send(("closed",))
+        _warm_kernels()
+        conn.send(("ready", time.perf_counter() - t))
+        h = arr = done = None
+        while (msg := conn.recv()) is not None:
+            tag = msg[0]
+            if tag == "open":  # keep it open for the exchange of events
+                t = time.perf_counter()
+                h = IpcArrayHandle.from_bytes(msg[1])
+                arr = h.open()  # the current stream waits for the producer's work on the GPU
+                opened = time.perf_counter() - t
+                conn.send(("opened", opened, float(arr.sum())))
+            elif tag == "event":  # ordering by hand: wait for the producer's second write, answer with our event
+                IpcEventHandle.from_bytes(msg[1]).open().wait()
+                doubled = float(arr.sum())
+                arr[0, :] = -1
+                done = IpcEvent()
+                done.record()
+                conn.send(("doubled", doubled, done.get_ipc_handle().to_bytes()))
+            elif tag == "close":  # the producer has waited on our event
+                h.close()
+                h = arr = None
+                done.close()
+                conn.send(("closed",))
+            else:  # "read": one message of a pipeline: open, read one value, close
+                with IpcArrayHandle.from_bytes(msg[1]) as a:
+                    value = float(a[(0,) * a.ndim])
+                del a
+                conn.send(("value", value))
     except Exception as e:  # send it back rather than die silently
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
@@ -62,6 +88,24 @@ def _expect(conn: Any, tag: str) -> tuple[Any, ...]:
     return msg[1:]
 
 
+def _round_trips(conn: Any, arrays: Callable[[int], tuple[Any, float]], n: int) -> float:
+    """The median seconds of ``n`` messages: export ``arrays(i)``'s array, send it, and have the consumer open
+    it, read its first value and close it; every value read is checked against the one ``arrays`` gives."""
+    import cupy_ipc
+
+    times = []
+    for i in range(n):
+        arr, want = arrays(i)
+        t = time.perf_counter()
+        conn.send(("read", cupy_ipc.get_ipc_handle(arr).to_bytes()))
+        (got,) = _expect(conn, "value")
+        times.append(time.perf_counter() - t)
+        if got != want:
+            raise RuntimeError(f"consumer read {got} in message {i}, expected {want}")
+        del arr
+    return statistics.median(times)
+
+
 def run_demo() -> int:
     """Run the demo; returns the process exit status."""
     reason = unavailable_reason()
@@ -79,13 +123,16 @@ def run_demo() -> int:
     _timed("start a consumer process (spawn)", proc.start, rows)
     child.close()  # ours: a consumer that dies then ends our wait at once (EOF), not after its time-out
     try:
+        _warm_kernels()
+        (started,) = _expect(conn, "ready")
+        rows.append(("consumer: CUDA start and kernels loaded (once a process)", started))
         base = cupy.arange(4096 * 4096, dtype=cupy.float32).reshape(4096, 4096)
         view = base[::2, 1::2]  # a strided view inside a pool block: the offset matters
         expected = float(view.sum())
         handle = _timed("export the array (get_ipc_handle)", lambda: cupy_ipc.get_ipc_handle(view), rows)
         ev = cupy_ipc.IpcEvent()
         stream = cupy.cuda.Stream(non_blocking=True)
-        _timed("send the handle (273 bytes + 16 per dimension)", lambda: conn.send(handle.to_bytes()), rows)
+        _timed("send the handle (273 bytes + 16 per dimension)", lambda: conn.send(("open", handle.to_bytes())), rows)
         t = time.perf_counter()
         opened, got = _expect(conn, "opened")
         rows.append(("consumer: open (map + wait on producer's event)", opened))
@@ -96,7 +143,7 @@ def run_demo() -> int:
             view *= 2
             ev.record(stream)
         t = time.perf_counter()
-        conn.send(ev.get_ipc_handle().to_bytes())
+        conn.send(("event", ev.get_ipc_handle().to_bytes()))
         doubled, done_data = _expect(conn, "doubled")
         rows.append(("event round trip: write, record, consumer waits on GPU", time.perf_counter() - t))
         if doubled != 2 * expected:
@@ -107,25 +154,44 @@ def run_demo() -> int:
         if first_row != -view.shape[1]:
             raise RuntimeError(f"producer sees {first_row} in the row the consumer wrote, expected {-view.shape[1]}")
         done.close()
-        conn.send("go")
+        conn.send(("close",))
         _expect(conn, "closed")
-        t = time.perf_counter()
-        while cupy_ipc.pinned() and time.perf_counter() - t < 10:
-            time.sleep(0.001)
-        rows.append(("consumer closed; producer's pin released", time.perf_counter() - t))
-        if cupy_ipc.pinned():
-            raise RuntimeError("the export is still pinned after the consumer closed")
+        _wait_unpinned("consumer closed; producer's pin released", rows)
+        # A pipeline's messages: the same buffer sent again (its handle and mapping are reused), then a new
+        # buffer each time (exported, mapped and unmapped anew); each read checked.
+        resent = _round_trips(conn, lambda i: (view, float(view[0, 0])), RESENT)
+        rows.append((f"re-sent array, median of {RESENT}: export, send, open, read, close, answer", resent))
+        fresh = _round_trips(conn, lambda i: (cupy.full(1 << 18, i, cupy.float32), float(i)), FRESH)
+        rows.append((f"new 1 MiB array, median of {FRESH}: the same", fresh))
+        _wait_unpinned("every pin released after the last message", rows)
     except Exception as e:
         print(f"cupy_ipc demo failed: {e}", file=sys.stderr)
         return 1
     finally:
+        try:
+            conn.send(None)
+        except OSError:  # the consumer has gone: its error, if any, is the one reported
+            pass
         proc.join(20)
         if proc.is_alive():
             proc.kill()
     dev = cupy.cuda.runtime.getDeviceProperties(view.device.id)["name"].decode()
     print(f"cupy_ipc {cupy_ipc.__version__} demo on {dev}: shared a {view.shape} float32 view "
-          f"({view.nbytes / 2**20:.0f} MiB) with process {proc.pid}; every value checked")
+          f"({view.nbytes / 2**20:.0f} MiB) with process {proc.pid}, then {RESENT + FRESH} messages; "
+          "every value checked")
     for label, seconds in rows:
-        print(f"  {label:<58} {seconds * 1e3:9.3f} ms")
+        print(f"  {label:<72} {seconds * 1e3:9.3f} ms")
     print("OK")
     return 0
+
+
+def _wait_unpinned(label: str, rows: list[tuple[str, float]]) -> None:
+    """Wait (10 s at most) until this process pins nothing: its consumer is done with everything sent."""
+    import cupy_ipc
+
+    t = time.perf_counter()
+    while cupy_ipc.pinned() and time.perf_counter() - t < 10:
+        time.sleep(0.001)
+    rows.append((label, time.perf_counter() - t))
+    if cupy_ipc.pinned():
+        raise RuntimeError(f"exports are still pinned 10 s after the consumer was done: {cupy_ipc.pinned()}")

@@ -24,3 +24,14 @@ def test_unknown_command_is_a_usage_error():
     r = subprocess.run([sys.executable, "-m", "cupy_ipc", "frobnicate"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "invalid choice" in r.stderr
+
+
+@pytest.mark.gpu
+def test_demo_on_a_gpu_checks_every_value_and_shows_each_step():
+    r = subprocess.run([sys.executable, "-m", "cupy_ipc", "demo"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("cupy_ipc ") and "every value checked" in lines[0] and lines[-1] == "OK"
+    steps = [line.rsplit(None, 2) for line in lines[1:-1]]
+    assert len(steps) == 12 and all(unit == "ms" and float(ms) >= 0 for _, ms, unit in steps), r.stdout
+    assert "re-sent array" in r.stdout and "new 1 MiB array" in r.stdout
