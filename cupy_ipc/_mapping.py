@@ -47,7 +47,7 @@ import resource
 import threading
 from typing import Any, Callable
 
-from . import _cuda, _fork, _pools, _reaper, _segment
+from . import _cuda, _fork, _pools, _reaper, _segment, _threads
 from ._args import checked_count
 from ._errors import HandleError, IpcError, warn_quietly
 
@@ -470,7 +470,7 @@ class Lease:
         self.memory_handle = memory_handle
         self.allocation_size = allocation_size
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
-        self.opener = _thread_mark()  # whose per-thread default stream ``stream`` is, if it is one
+        self.opener = _threads.mark()  # whose per-thread default stream ``stream`` is, if it is one
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
         # (None: abandoned, already let go; unset: interrupted while it was made, let go by acquire)
@@ -496,18 +496,6 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
                 _unclaim(claim_key)
 
 
-_thread_marks = threading.local()
-
-
-def _thread_mark() -> object:
-    """This thread's own object: unlike its ident, never another (later) thread's while a lease holds it."""
-    try:
-        return _thread_marks.mark
-    except AttributeError:
-        mark = _thread_marks.mark = object()
-        return mark
-
-
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
 _PER_THREAD = 2  # cudaStreamPerThread
 
@@ -520,7 +508,7 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
     of another thread, the ``opener``'s, cannot be named here, and the whole GPU's work is waited for."""
     try:
         ptr = stream.ptr
-        if ptr == _PER_THREAD and opener is not None and opener is not _thread_mark():
+        if ptr == _PER_THREAD and opener is not None and opener is not _threads.mark():
             # Another thread's per-thread stream, which this thread cannot name: wait for the whole GPU.
             _reaper.later(_finish, mapping_key, claim_key, after=_reaper.WHOLE_DEVICE, device=device)
             return

@@ -18,7 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from . import _cuda, _fdserver, _reaper, _segment
+from . import _cuda, _fdserver, _reaper, _segment, _threads
 from ._descriptors import close_quietly, not_inherited
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 
@@ -318,13 +318,13 @@ class _DriverPools:
     def malloc(self, size: int, device: int) -> int:
         stream = self.cupy.cuda.get_current_stream()
         ptr = self.runtime.mallocFromPoolAsync(size, self.pool(device), stream.ptr)
-        self.streams[ptr] = weakref.ref(stream)
+        self.streams[ptr] = (weakref.ref(stream), _threads.mark())  # and the thread, whose per-thread stream it may be
         return ptr
 
-    def free(self, ptr: int, device: int) -> None:
+    def free(self, ptr: int, device: int, _mark: Callable[[], object] = _threads.mark) -> None:
         # Bound names only: blocks are also freed while the interpreter shuts down, when imports fail and
         # module globals are gone; the driver releases the pool's memory with the process then anyway.
-        ref = self.streams.pop(ptr, None)
+        ref, owner = self.streams.pop(ptr, (None, None))
         if self.finalizing():
             return
         with self.cupy.cuda.Device(device):
@@ -334,7 +334,10 @@ class _DriverPools:
             stream = ref() if ref is not None else None
             if stream is None:
                 stream = self.cupy.cuda.get_current_stream()
-            self.runtime.freeAsync(ptr, stream.ptr)
+            handle = stream.ptr
+            if handle == 2 and owner is not _mark():  # another thread's per-thread default stream: not nameable
+                handle = 1  # cudaStreamLegacy, ordered after every thread's per-thread default stream
+            self.runtime.freeAsync(ptr, handle)
 
     def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
         # Nothing allocated here is still in use, nor awaited by a consumer (a pin holds its array). Destroying

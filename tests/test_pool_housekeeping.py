@@ -224,3 +224,37 @@ def test_a_block_is_freed_on_the_stream_it_was_allocated_on():
         assert calls[2:] == [("malloc", 0x52), ("free", 0x53)]
     finally:
         pools.pools = {}
+
+
+def test_a_block_of_a_per_thread_stream_freed_on_another_thread_is_freed_after_every_threads_work():
+    # Allocated on a thread's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1: CuPy's one
+    # Stream.ptds, handle 2) and freed on another thread (the library's, ending a pin): handle 2 there names the
+    # freeing thread's own stream, which the allocating thread's work does not precede. On the allocating
+    # thread it stays 2.
+    calls = []
+
+    class Stream:
+        ptr = 2
+
+    ptds = Stream()
+
+    class Runtime:
+        def mallocFromPoolAsync(self, size, pool, stream):  # noqa: N802
+            return 0x1000 + len(calls)
+
+        def freeAsync(self, ptr, stream):  # noqa: N802
+            calls.append(stream)
+
+    pools = _pools._DriverPools(Runtime())
+    pools.cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: ptds,
+                                                                  Device=lambda d: _Null()))
+    pools.pools[0] = POOL
+    try:
+        ptr = pools.malloc(64, 0)
+        t = threading.Thread(target=pools.free, args=(ptr, 0))
+        t.start()
+        t.join()
+        pools.free(pools.malloc(64, 0), 0)
+        assert calls == [1, 2]  # cudaStreamLegacy, ordered after every thread's per-thread default stream
+    finally:
+        pools.pools = {}
