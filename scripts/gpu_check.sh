@@ -77,6 +77,8 @@ if [ "$PART" = all ] || [ "$PART" = tools ]; then
     # Where a message's time goes, step by step on each side.
     timeout 90 $PY benchmarks/steps.py --iters 300 > "$OUT/steps.log" 2>&1
     steps_rc=$?
+    # What each call on that path costs alone.
+    timeout 60 $PY benchmarks/primitives.py > "$OUT/primitives.log" 2>&1 || steps_rc=1
     PYTHONPATH="$SITE" timeout 150 $PY scripts/run_notebooks.py --write "$OUT/notebooks" 2>&1 | tee "$OUT/notebooks.log"
     nb_rc=$?
 fi

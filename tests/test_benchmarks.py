@@ -17,6 +17,7 @@ SUITE = pathlib.Path(__file__).parent.parent / "benchmarks" / "suite.py"
 STEPS = SUITE.parent / "steps.py"
 PAIRED = SUITE.parent / "paired.py"
 FLOOR = SUITE.parent / "floor.py"
+PRIMITIVES = SUITE.parent / "primitives.py"
 
 
 def _benchmark_module(name):
@@ -77,6 +78,23 @@ def test_the_step_timer_reports_every_step_of_each_method():
             assert "consumer: open" in section and "consumer: close" in section
     assert re.search(r"producer _keepalive\.pin +\d", r.stdout)  # the library's own functions are timed
     assert re.search(r"consumer _mapping\.acquire +\d", r.stdout)
+
+
+def test_without_a_gpu_the_primitives_timer_says_so():
+    if unavailable_reason() is None:
+        pytest.skip("a GPU is visible: the primitives timer's GPU run below runs instead")
+    r = subprocess.run([sys.executable, str(PRIMITIVES)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("primitives: no GPU:") and r.stdout == ""
+
+
+@pytest.mark.gpu
+def test_the_primitives_timer_times_every_call():
+    r = subprocess.run([sys.executable, str(PRIMITIVES), "--iters", "20", "--repeat", "3"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    times = re.findall(r"^  (.+?) +(\d+\.\d\d) µs$", r.stdout, re.MULTILINE)
+    assert len(times) == 13 and all(float(t) >= 0 for _, t in times), r.stdout
+    assert any(what.startswith("IpcArrayHandle.from_bytes()") for what, _ in times)
 
 
 def test_markdown_reports_each_part():
