@@ -266,39 +266,58 @@ def test_own_staged_open_waits_on_the_stream_that_copies(gpus, monkeypatch):
         h.release()
 
 
+class _PerThreadRuntime:
+    """One GPU whose per-thread default stream (handle 2) has work queued on the threads ``busy()`` says."""
+
+    def __init__(self, busy) -> None:
+        self.busy = busy
+
+    def getDevice(self):
+        return 0
+
+    def setDevice(self, d):
+        pass
+
+    def streamQuery(self, ptr):
+        return 600 if ptr == 2 and self.busy() else 0
+
+
+class _Ptds:
+    ptr = 2
+
+
+class _Mapping:
+    ptr, imported = 0x1000, True
+
+
+def _stub_release(monkeypatch, busy):
+    """The runtime of :class:`_PerThreadRuntime`; returns the lists of releases made at once and of the waits of
+    releases handed to the library's thread."""
+    finished, deferred = [], []
+    monkeypatch.setattr(_cuda, "rt", lambda: _PerThreadRuntime(busy))
+    monkeypatch.setattr(_mapping, "_finish", lambda *a, **k: finished.append(a))
+    monkeypatch.setattr(_reaper, "later", lambda then, *a, after=None, device=0: deferred.append(after))
+    return finished, deferred
+
+
+def _ptds_lease():
+    return _mapping.Lease(None, ("key",), None, _Ptds(), 0, _Mapping(), b"", 0x1000, 0)
+
+
+def _on_a_thread(fn):
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
 def test_release_of_a_per_thread_stream_is_ordered_on_the_openers_stream(monkeypatch):
     # An array opened on the per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) and dropped on
     # another thread: that thread's own per-thread stream is idle, the opener's still reads the memory. The
     # release must not let the producer's memory go at once.
-    class Runtime:
-        def getDevice(self):
-            return 0
-
-        def setDevice(self, d):
-            pass
-
-        def streamQuery(self, ptr):
-            return 600 if ptr == 2 and threading.get_ident() == opener else 0
-
-    class Ptds:
-        ptr = 2
-
-    class Mapping:
-        ptr, imported = 0x1000, True
-
     opener = threading.get_ident()
-    finished, deferred = [], []
-    monkeypatch.setattr(_cuda, "rt", lambda: Runtime())
-    monkeypatch.setattr(_mapping, "_finish", lambda *a, **k: finished.append(a))
-    monkeypatch.setattr(_reaper, "later", lambda then, *a, after=None, device=0: deferred.append(after))
-    box = [_mapping.Lease(None, ("key",), None, Ptds(), 0, Mapping(), b"", 0x1000, 0)]
-
-    def drop():
-        box.clear()  # the last reference: Lease.__del__ runs on this thread
-
-    t = threading.Thread(target=drop)
-    t.start()
-    t.join()
+    finished, deferred = _stub_release(monkeypatch, lambda: threading.get_ident() == opener)
+    box = [_ptds_lease()]
+    _on_a_thread(box.clear)  # the last reference: Lease.__del__ runs on that thread
     assert not finished, "released at once: the opener's per-thread stream may still be reading the memory"
     assert deferred and deferred[0] is not None
 
@@ -307,35 +326,14 @@ def test_release_on_a_thread_that_took_a_finished_openers_ident_is_still_ordered
     # CPython gives a finished thread's ident to a later one: the opener of an array on its per-thread stream
     # exits, its work still queued, and a thread with its ident drops the array. That thread's own per-thread
     # stream is idle; the opener's may still read the memory.
-    class Runtime:
-        def getDevice(self):
-            return 0
-
-        def setDevice(self, d):
-            pass
-
-        def streamQuery(self, ptr):
-            return 600 if ptr == 2 and threading.current_thread() is opener else 0
-
-    class Ptds:
-        ptr = 2
-
-    class Mapping:
-        ptr, imported = 0x1000, True
-
-    finished = []
-    monkeypatch.setattr(_mapping, "threading", types.SimpleNamespace(get_ident=lambda: 0x7F00))  # one ident
-    monkeypatch.setattr(_cuda, "rt", lambda: Runtime())
-    monkeypatch.setattr(_mapping, "_finish", lambda *a, **k: finished.append(a))
-    monkeypatch.setattr(_reaper, "later", lambda then, *a, after=None, device=0: None)
     box = []
-    opener = threading.Thread(target=lambda: box.append(
-        _mapping.Lease(None, ("key",), None, Ptds(), 0, Mapping(), b"", 0x1000, 0)))
+    opener = threading.Thread(target=lambda: box.append(_ptds_lease()))
+    finished, _ = _stub_release(monkeypatch, lambda: threading.current_thread() is opener)
+    # The reuse made certain: every thread shows one ident to the module (what it compared before).
+    monkeypatch.setattr(_mapping, "threading", types.SimpleNamespace(get_ident=lambda: 0x7F00))
     opener.start()
     opener.join()
-    dropper = threading.Thread(target=box.clear)  # the last reference: Lease.__del__ runs there
-    dropper.start()
-    dropper.join()
+    _on_a_thread(box.clear)  # the last reference: Lease.__del__ runs on that thread
     assert not finished, "released at once: the finished opener's per-thread stream may still read the memory"
 
 
