@@ -497,6 +497,7 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
+_LEGACY = 1  # cudaStreamLegacy
 _PER_THREAD = 2  # cudaStreamPerThread
 
 
@@ -505,25 +506,24 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
     """Let the consumer's claim and mapping go once its work on ``stream`` is done: now, or on the library's
     thread if ``defer`` (a garbage collection runs) or that work is still queued. The stream is looked at
     here, on the thread that dropped the array, whose default stream it may be; a per-thread default stream
-    of another thread, the ``opener``'s, cannot be named here, and the whole GPU's work is waited for."""
+    of another thread, the ``opener``'s, cannot be named here: the legacy default stream, which follows the
+    work of every thread's, stands for it."""
     try:
         ptr = stream.ptr
         if ptr == _PER_THREAD and opener is not None and opener is not _threads.mark():
-            # Another thread's per-thread stream, which this thread cannot name: wait for the whole GPU.
-            _reaper.later(_finish, mapping_key, claim_key, after=_reaper.WHOLE_DEVICE, device=device)
-            return
+            ptr = _LEGACY
         if ptr in _DEFAULT_STREAMS and _cuda.rt().getDevice() != device:
             with _cuda.using_device(device):
                 idle = _cuda.stream_idle(ptr)
         else:
-            idle = _cuda.stream_idle(ptr)
+            idle = _cuda.stream_idle(ptr)  # (the legacy stream's query counts the blocking streams' work: measured)
         done = None
         if not idle:
             import cupy
 
             with _cuda.using_device(device):
                 done = cupy.cuda.Event(block=True, disable_timing=True)
-                done.record(stream)
+                _cuda.call("ordering the release", _cuda.rt().eventRecord, done.ptr, ptr)
     except Exception as e:  # destructor path: keep the memory pinned rather than raise
         warn_quietly(f"could not order the release of a mapping: {e}")
         return

@@ -79,6 +79,30 @@ def test_pin_outlives_consumer_gpu_work(remote):
     assert cupy_ipc.pinned() == []
 
 
+def test_an_array_dropped_off_its_openers_per_thread_stream_is_released_after_that_streams_work_only(
+        remote, monkeypatch):
+    """An array opened on a thread's per-thread default stream and dropped on another thread, which cannot name
+    that stream: the release waits for the opener's work (through the legacy default stream, which follows
+    every thread's), not for the GPU's other work, as a device-wide wait did."""
+    import cupy
+
+    import cupy_ipc
+
+    monkeypatch.setenv("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "1")
+    consumer = remote()  # spawned with it: its CuPy uses per-thread default streams
+    a = cupy.zeros(N, cupy.float32)
+    data = cupy_ipc.get_ipc_handle(a).to_bytes()
+    assert consumer.call("open_on_a_thread_then_drop", data, 1.0, 6.0) == 2  # cudaStreamPerThread
+    dropped = time.monotonic()
+    assert len(cupy_ipc.pinned()) == 1  # the opener's kernel still runs
+    while cupy_ipc.pinned() and time.monotonic() < dropped + 20:
+        time.sleep(0.02)
+    waited = time.monotonic() - dropped
+    assert cupy_ipc.pinned() == []
+    assert (a == 1).all()  # the consumer's write, done before the memory was let go
+    assert waited < 4.0, f"released after {waited:.1f} s: it waited for the unrelated 6 s kernel"
+
+
 def test_a_release_interrupted_by_ctrl_c_still_ends_once_the_consumers_work_is_done(remote):
     """Ctrl-C in the release's stream query: the release goes on on the library's thread, after the GPU's
     work (before, the memory stayed pinned until the consumer exited)."""

@@ -267,10 +267,12 @@ def test_own_staged_open_waits_on_the_stream_that_copies(gpus, monkeypatch):
 
 
 class _PerThreadRuntime:
-    """One GPU whose per-thread default stream (handle 2) has work queued on the threads ``busy()`` says."""
+    """One GPU whose per-thread default stream (handle 2) has work queued on the threads ``busy()`` says, which
+    the legacy default stream (handle 1) follows: it has work queued on every thread."""
 
-    def __init__(self, busy) -> None:
+    def __init__(self, busy, recorded) -> None:
         self.busy = busy
+        self.recorded = recorded
 
     def getDevice(self):
         return 0
@@ -279,7 +281,14 @@ class _PerThreadRuntime:
         pass
 
     def streamQuery(self, ptr):
-        return 600 if ptr == 2 and self.busy() else 0
+        return 600 if ptr == 1 or ptr == 2 and self.busy() else 0
+
+    def eventRecord(self, ev, stream):
+        self.recorded.append((ev, stream))
+
+
+class _Event:
+    ptr = 0xE1
 
 
 class _Ptds:
@@ -291,13 +300,17 @@ class _Mapping:
 
 
 def _stub_release(monkeypatch, busy):
-    """The runtime of :class:`_PerThreadRuntime`; returns the lists of releases made at once and of the waits of
-    releases handed to the library's thread."""
-    finished, deferred = [], []
-    monkeypatch.setattr(_cuda, "rt", lambda: _PerThreadRuntime(busy))
+    """The runtime of :class:`_PerThreadRuntime`; returns the lists of releases made at once, of the waits of
+    releases handed to the library's thread and of the events recorded ``(event, stream)``."""
+    import cupy
+
+    finished, deferred, recorded = [], [], []
+    runtime = _PerThreadRuntime(busy, recorded)
+    monkeypatch.setattr(_cuda, "rt", lambda: runtime)
+    monkeypatch.setattr(cupy.cuda, "Event", lambda **options: _Event())
     monkeypatch.setattr(_mapping, "_finish", lambda *a, **k: finished.append(a))
     monkeypatch.setattr(_reaper, "later", lambda then, *a, after=None, device=0: deferred.append(after))
-    return finished, deferred
+    return finished, deferred, recorded
 
 
 def _ptds_lease():
@@ -315,11 +328,22 @@ def test_release_of_a_per_thread_stream_is_ordered_on_the_openers_stream(monkeyp
     # another thread: that thread's own per-thread stream is idle, the opener's still reads the memory. The
     # release must not let the producer's memory go at once.
     opener = threading.get_ident()
-    finished, deferred = _stub_release(monkeypatch, lambda: threading.get_ident() == opener)
+    finished, deferred, recorded = _stub_release(monkeypatch, lambda: threading.get_ident() == opener)
     box = [_ptds_lease()]
     _on_a_thread(box.clear)  # the last reference: Lease.__del__ runs on that thread
     assert not finished, "released at once: the opener's per-thread stream may still be reading the memory"
-    assert deferred and deferred[0] is not None
+    # Ordered by an event of the legacy default stream, which follows the opener's: not by a wait for the whole
+    # GPU, which would hold up every later release behind the GPU's other work.
+    assert recorded == [(_Event.ptr, 1)]
+    assert len(deferred) == 1 and isinstance(deferred[0], _Event)
+
+
+def test_release_on_the_openers_own_thread_is_ordered_on_its_per_thread_stream(monkeypatch):
+    opener = threading.get_ident()
+    finished, deferred, recorded = _stub_release(monkeypatch, lambda: threading.get_ident() == opener)
+    box = [_ptds_lease()]
+    box.clear()
+    assert not finished and recorded == [(_Event.ptr, 2)] and len(deferred) == 1
 
 
 def test_release_on_a_thread_that_took_a_finished_openers_ident_is_still_ordered(monkeypatch):
@@ -328,7 +352,7 @@ def test_release_on_a_thread_that_took_a_finished_openers_ident_is_still_ordered
     # stream is idle; the opener's may still read the memory.
     box = []
     opener = threading.Thread(target=lambda: box.append(_ptds_lease()))
-    finished, _ = _stub_release(monkeypatch, lambda: threading.current_thread() is opener)
+    finished, _, _ = _stub_release(monkeypatch, lambda: threading.current_thread() is opener)
     # The reuse made certain: every thread shows one ident to the module (what it compared before).
     monkeypatch.setattr(_mapping, "threading", types.SimpleNamespace(get_ident=lambda: 0x7F00))
     opener.start()

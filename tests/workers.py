@@ -301,6 +301,35 @@ def spin_then_drop(data: bytes, seconds: float) -> None:
     gc.collect()
 
 
+def open_on_a_thread_then_drop(data: bytes, seconds: float, unrelated: float) -> int:
+    """With CuPy's per-thread default streams: a thread opens the array, queues a long kernel and a write on it on
+    its own stream and ends; then a kernel of ``unrelated`` seconds is queued on a non-blocking stream, and the
+    array is dropped here, on another thread, whose own stream is idle. Returns the stream the opener used."""
+    import threading
+
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    warm_up()
+    box: list[Any] = []
+
+    def opener() -> None:
+        arr = IpcArrayHandle.from_bytes(data).open()
+        spin(seconds)
+        arr += 1
+        box.append((arr, cupy.cuda.get_current_stream().ptr))
+
+    t = threading.Thread(target=opener)
+    t.start()
+    t.join()
+    stream = box[0][1]
+    spin(unrelated, cupy.cuda.Stream(non_blocking=True))  # not ordered with the default streams: never waited for
+    box.clear()
+    gc.collect()
+    return stream
+
+
 def spin_then_drop_interrupted(data: bytes, seconds: float) -> str:
     """As :func:`spin_then_drop`, with Ctrl-C arriving in the release's stream query; returns the name of what
     the dropping reported (a destructor's exception is reported, not raised)."""
