@@ -27,6 +27,7 @@ from ._wire import (
     Kind,
     byte_extent,
     dtype_of,
+    export_parts,
     field_int,
     field_ints,
     layout_of,
@@ -193,7 +194,8 @@ class _ById:
         self._d.clear()
 
 
-_by_array = _ById()  # array -> (fields of one of its exports, that export's wire form)
+# array -> [fields of one of its exports, that export's wire form, its lane or None (see _resend)]
+_by_array = _ById()
 
 # The layouts of cudaMalloc arrays exported: (dtype, shape, strides, GPU) -> (reach, see validate_layout;
 # dtype, device and producer fields; the wire form's parts that do not change, see layout_of). A new
@@ -374,6 +376,12 @@ def get_ipc_handle(
         >>> h                                             # doctest: +SKIP
         <IpcArrayHandle shape=(6,) dtype=float32 device=0 producer=pid 4242@gpu-host>
     """
+    if stream is None and lease is None and type(consumers) is int and consumers == 1 and keepalive and sync:
+        hit = _by_array.get(array)  # (only cupy.ndarrays are kept)
+        if hit is not None and hit[2] is not None:
+            h = _resend(array, hit[2])
+            if h is not None:
+                return h
     _fork.check()
     if type(consumers) is not int or not 1 <= consumers <= _segment.MAX_OPENS:  # (checked off the common path)
         consumers = checked_count(consumers, "consumers", 1, _segment.MAX_OPENS)  # what a segment counts
@@ -393,7 +401,9 @@ def get_ipc_handle(
     if hit is not None and (hit[0].shape != arr.shape or hit[0].strides != arr.strides):
         hit = None
     if hit is not None:
-        template, static = hit
+        template, static, lane = hit
+        if lane is None and array is arr and template.device.ordinal == arr.data.device_id:
+            hit[2] = _lane_of(arr, template, static)  # from its next export on (a buffer sent again)
     else:
         if keepalive and sync and consumers == 1 and lease is None and array is arr:
             h = _export_common(arr, stream)
@@ -405,10 +415,10 @@ def get_ipc_handle(
         stream_ptr = _cuda.stream_ptr(stream, device) if sync else None  # (by default the array's GPU's)
         current = _cuda.current_device()
         if sync and current != device and (stream is None or (
-                _cuda.stream_ptr(stream) in (0, 1, 2) and _cuda.default_stream_device(stream) is None)):
+                stream_ptr in (0, 1, 2) and _cuda.default_stream_device(stream) is None)):
             # CuPy runs kernels on the current GPU, also on another GPU's array (peer access): work on the array
             # may be queued on the current GPU's stream, which no event of the array's GPU captures. Waited for.
-            current_ptr = _cuda.stream_ptr(stream)
+            current_ptr = _cuda.stream_ptr(None) if stream is None else stream_ptr  # (a default stream: this GPU's)
             if not _cuda.stream_idle(current_ptr):
                 _cuda.call("waiting for the current GPU's work", _cuda.rt().streamSynchronize, current_ptr)
         if stream_ptr is not None and template.device.ordinal != device:
@@ -436,7 +446,7 @@ def get_ipc_handle(
     if static is None:
         wire = _first_wire(arr, array is arr, template, fields)
     else:
-        wire = splice(static, flags, export_id, slot, event)
+        wire = splice(export_parts(static), flags, export_id, slot, event)
     return IpcArrayHandle._make(fields, wire)
 
 
@@ -472,7 +482,7 @@ def _export_common(arr: Any, stream: Any) -> "IpcArrayHandle | None":
     fields = ArrayFields(Kind.LEGACY, flags, dtype, memory_handle, offset, size, base, buffer_id, device_id,
                          producer, export_id, slot, event, shape, strides)
     wire = with_allocation(layout, flags, memory_handle, offset, size, base, buffer_id, export_id, slot, event)
-    _by_array.set(arr, (fields, wire))
+    _by_array.set(arr, [fields, wire, None])
     return IpcArrayHandle._make(fields, wire)
 
 
@@ -481,8 +491,41 @@ def _first_wire(arr: Any, keep: bool, template: ArrayFields, fields: ArrayFields
     (which splice their own export part in) if ``keep`` (not for a temporary made from a foreign array)."""
     wire = pack_array(fields)
     if keep:
-        _by_array.set(arr, (template, wire))
+        _by_array.set(arr, [template, wire, None])
     return wire
+
+
+def _lane_of(arr: Any, template: ArrayFields, wire: bytes) -> tuple[Any, ...]:
+    """What :func:`_resend` needs of an array exported before, the fields and wire form of one of its exports
+    (which differ from another's only in their flags and export part), cut up once."""
+    return (template.shape, template.strides, arr.data.device_id, template, export_parts(wire),
+            (template.base_ptr, template.allocation_size, template.buffer_id), (template.shape, template.dtype))
+
+
+def _resend(arr: Any, lane: tuple[Any, ...]) -> "IpcArrayHandle | None":
+    """An array exported before, exported again, written out flat: what :func:`get_ipc_handle` does for it
+    without a stream, lease or more than one consumer, kept alive and ordered on the current stream of its
+    GPU, which is current. ``None``, having done nothing, for any other case. ``lane``: :func:`_lane_of`.
+
+    Flat for the reason :func:`_open_common` is: a buffer sent again and again (a pipeline's) costs only
+    its pin here.
+    """
+    shape, strides, device, template, parts, origin, description = lane
+    if arr.shape != shape or arr.strides != strides:  # (a forked child has no lanes: see _forget_after_fork)
+        return None  # reshaped in place since (CuPy allows it)
+    try:
+        if _cuda.rt().getDevice() != device:
+            return None
+        stream_ptr = _cuda.cupy_names()[0]().ptr
+    except _cuda._runtime_error() as e:
+        raise _cuda._translated("exporting the array", e) from e
+    export_id, slot, event = _keepalive.pin(arr, origin, device, 1, None, stream_ptr, description)
+    if event is None:
+        flags, event = FLAG_KEEPALIVE, _NO_HANDLE
+    else:
+        flags = FLAG_KEEPALIVE | FLAG_EVENT
+    return IpcArrayHandle._make(with_export(template, flags, export_id, slot, event),
+                                splice(parts, flags, export_id, slot, event))
 
 
 class OpenInfo(NamedTuple):
@@ -547,18 +590,17 @@ def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
     Flat because Python run once per message costs several times its loop time (measured on the H200
     machines: benchmarks/RESULTS.md), so every call left out of a message's path counts.
     """
-    import cupy
-
     producer, me = f.producer, this_process()
     if producer.token == me.token or producer.boot_id != me.boot_id or f.memory_handle in _exported:
         return None  # our own memory, or another host's handle: the general path says what to do
     runtime = _cuda.rt()
+    current_stream, UnownedMemory, MemoryPointer, ndarray = _cuda.cupy_names()
     try:
         device = runtime.getDevice()
         if _cuda._ordinals.get(f.device.uuid) != device:
             return None  # another GPU's memory (or a GPU not looked up yet)
         seg = _segment.attach(producer.token, producer.pid)  # ProducerExitedError if it has gone
-        stream = cupy.cuda.get_current_stream()
+        stream = current_stream()
         last_try = claimed is not None
         if last_try:
             claimed[0] = True  # type: ignore[index]
@@ -571,8 +613,8 @@ def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
                 ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it
                 if runtime.eventQuery(ev._ptr) != 0:  # a finished event needs no wait, and the GPU-side wait is slow
                     runtime.streamWaitEvent(stream.ptr, ev._ptr, 0)
-            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, device)
-            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+            mem = UnownedMemory(ptr, f.allocation_size, lease, device)
+            arr = ndarray(f.shape, f.dtype, MemoryPointer(mem, f.offset), f.strides)
             _mapping.opened(lease)
         except BaseException:
             mem = arr = None  # no array of the mapping left in the traceback's frame once it is gone
@@ -670,20 +712,12 @@ class IpcArrayHandle:
                   for piece in _parts(more, "more", "a sequence of (descriptor, size) pairs")),
         )
         validate_array(fields)
-        object.__setattr__(self, "_f", fields)
-        object.__setattr__(self, "_wire", None)
-        object.__setattr__(self, "_opened", [])
-        object.__setattr__(self, "_fd", None)
-        object.__setattr__(self, "_server", None)
+        _fill(self, fields, None)
 
     @classmethod
     def _make(cls, fields: ArrayFields, wire: bytes | None = None) -> "IpcArrayHandle":
-        h = cls.__new__(cls)
-        object.__setattr__(h, "_f", fields)
-        object.__setattr__(h, "_wire", wire)  # only canonical bytes are accepted, so they are the wire form
-        object.__setattr__(h, "_opened", [])
-        object.__setattr__(h, "_fd", None)
-        object.__setattr__(h, "_server", None)
+        h = _new(cls)
+        _fill(h, fields, wire)  # only canonical bytes are accepted, so they are the wire form
         return h
 
     # --- the descriptors of memory shared by file descriptor ----------------
@@ -843,7 +877,7 @@ class IpcArrayHandle:
                 the array is opened on, the producer no longer shares the
                 memory, or CUDA failed.
         """
-        arr = self._open(stream, device, copy)
+        arr = self._open_once(stream, device, copy, None)
         self._opened.append(arr)
         return arr
 
@@ -1069,3 +1103,17 @@ class IpcArrayHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_new = object.__new__
+# The slots' own setters: a handle is made for every message, and object.__setattr__ costs twice as much.
+_setters = tuple(getattr(IpcArrayHandle, name).__set__ for name in ("_f", "_wire", "_opened", "_fd", "_server"))
+
+
+def _fill(h: IpcArrayHandle, fields: ArrayFields, wire: bytes | None) -> None:
+    set_fields, set_wire, set_opened, set_fd, set_server = _setters
+    set_fields(h, fields)
+    set_wire(h, wire)
+    set_opened(h, [])
+    set_fd(h, None)
+    set_server(h, None)

@@ -94,6 +94,15 @@ def rt() -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def cupy_names() -> tuple[Any, Any, Any, Any]:
+    """``cupy.cuda.get_current_stream``, ``UnownedMemory``, ``MemoryPointer`` and ``cupy.ndarray``, which every
+    message's open and export use, looked up once (see :func:`rt`)."""
+    import cupy
+
+    return cupy.cuda.get_current_stream, cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
+
+
+@functools.lru_cache(maxsize=None)
 def _runtime_error() -> type[Exception]:
     from cupy_backends.cuda.api.runtime import CUDARuntimeError
 

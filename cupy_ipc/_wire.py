@@ -29,6 +29,7 @@ __all__ = [
     "EventFields",
     "Kind",
     "byte_extent",
+    "export_parts",
     "field_int",
     "field_ints",
     "layout_of",
@@ -405,15 +406,26 @@ def _host(raw: bytes) -> str:
 
 def with_export(f: ArrayFields, flags: int, export_id: int, slot: int, event_handle: bytes) -> ArrayFields:
     """The fields of ``f`` with another export's dynamic part."""
-    return ArrayFields(f.kind, flags, f.dtype, f.memory_handle, f.offset, f.allocation_size, f.base_ptr,
-                       f.buffer_id, f.device, f.producer, export_id, slot, event_handle, f.shape, f.strides,
-                       f.fd, f.resource, f.more)
+    # A whole tuple, without NamedTuple's keyword handling: this runs for every export of a re-sent array.
+    return _tuple_new(ArrayFields, (f[0], flags, *f[2:10], export_id, slot, event_handle, *f[13:]))
 
 
-def splice(static: bytes, flags: int, export_id: int, slot: int, event_handle: bytes) -> bytes:
-    """The wire form of another export of an array whose wire form is ``static``."""
-    return b"".join((static[:7], bytes((flags,)), static[8:_DYNAMIC_AT],
-                     _DYNAMIC.pack(export_id, slot, event_handle), static[ARRAY_HEADER:]))
+_tuple_new = tuple.__new__
+
+
+def export_parts(wire: bytes) -> tuple[bytes, bytes, bytes]:
+    """An array handle's wire form less its flags byte and its export part, which come between the three
+    parts: what :func:`splice` joins another export's with."""
+    return wire[:7], wire[8:_DYNAMIC_AT], wire[ARRAY_HEADER:]
+
+
+_FLAG_BYTES = tuple(bytes((flags,)) for flags in range(256))
+
+
+def splice(parts: tuple[bytes, bytes, bytes], flags: int, export_id: int, slot: int, event_handle: bytes) -> bytes:
+    """The wire form of another export of an array, whose wire form cut by :func:`export_parts` is ``parts``."""
+    return b"".join((parts[0], _FLAG_BYTES[flags], parts[1], _DYNAMIC.pack(export_id, slot, event_handle),
+                     parts[2]))
 
 
 def layout_of(wire: bytes) -> tuple[bytes, bytes, bytes, bytes]:
@@ -452,6 +464,9 @@ def pack_array(f: ArrayFields) -> bytes:
 # layout (each fresh buffer of a pipeline) and a re-sent array then parse in a few comparisons.
 _layouts: dict[bytes, tuple[ArrayFields, tuple[int, int, int] | None]] = {}
 _LAYOUTS_MAX = 1024
+# Received handles by all their bytes but the export part, which every value of passes validation: the fields
+# of one of them. A re-sent array's handles then parse in one look-up.
+_resent: dict[bytes, ArrayFields] = {}
 
 
 _ARRAY_START = ARRAY_MAGIC + struct.pack("<H", VERSION)
@@ -463,6 +478,19 @@ def unpack_array(data: object) -> ArrayFields:
         raw = data  # what _header checks, for the common case
     else:
         raw = _header(data, ARRAY_MAGIC, "array handle", ARRAY_HEADER)
+    exact = raw[:_DYNAMIC_AT] + raw[ARRAY_HEADER:]
+    f = _resent.get(exact)
+    if f is not None:
+        return _tuple_new(ArrayFields, (*f[:10], *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT), *f[13:]))
+    fields = _unpack_new(raw)
+    if len(_resent) >= _LAYOUTS_MAX:
+        _resent.clear()
+    _resent[exact] = fields
+    return fields
+
+
+def _unpack_new(raw: bytes) -> ArrayFields:
+    """:func:`unpack_array` of a handle not seen before but for its export part."""
     flags = raw[7]
     if flags & ~_FLAGS:
         raise HandleError(f"unknown flag bits 0x{flags & ~_FLAGS:x}")

@@ -296,13 +296,50 @@ def test_an_array_reshaped_in_place_is_exported_with_its_new_shape(consumer):
     import cupy_ipc
 
     a = cupy.arange(6, dtype=cupy.float32)
-    first = cupy_ipc.get_ipc_handle(a)
-    assert first.shape == (6,)
-    first.release()
+    for _ in range(2):  # exported again too: its later exports take a shorter path, which must see it
+        first = cupy_ipc.get_ipc_handle(a)
+        assert first.shape == (6,)
+        first.release()
     a.shape = (2, 3)  # CuPy changes a live array's layout in place
     h = cupy_ipc.get_ipc_handle(a)
     assert h.shape == (2, 3) and h.strides == (12, 4)
     np.testing.assert_array_equal(consumer.call("read", h.to_bytes()), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+def test_an_array_sent_again_and_again_is_exported_as_the_first_time_and_ordered_each_time(consumer):
+    # From its second export on, an array with the default options takes a shorter path (a pipeline's
+    # buffer, sent again and again): it must give the handle the general path gives, with its own export
+    # part, and order the work queued on the array before each export.
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc._wire import pack_array
+
+    from workers import spin, warm_up
+
+    warm_up()
+    for name, arr in _layouts().items():
+        if arr.size == 0:
+            continue
+        handles = [cupy_ipc.get_ipc_handle(arr) for _ in range(3)]
+        general = cupy_ipc.get_ipc_handle(arr, lease=600.0)  # a lease: the general path
+        for h in handles + [general]:
+            f = h._f
+            assert f == general._f._replace(flags=f.flags, export_id=f.export_id, slot=f.slot,
+                                            event_handle=f.event_handle), name
+            assert h.to_bytes() == pack_array(f) and h.keepalive, name
+        assert len({h._f.export_id for h in handles + [general]}) == 4, name
+        for h in handles + [general]:
+            np.testing.assert_array_equal(consumer.call("read", h.to_bytes()), cupy.asnumpy(arr), err_msg=name)
+    a = cupy.zeros(1 << 20, cupy.float32)
+    cupy_ipc.get_ipc_handle(a).release()
+    for value in range(1, 5):
+        spin(0.2)  # the fill below runs after it: the consumer reads the old values unless it waits
+        a.fill(value)
+        h = cupy_ipc.get_ipc_handle(a)
+        assert h.synced
+        out = consumer.call("read", h.to_bytes())
+        assert (out == value).all(), (value, np.unique(out))
 
 
 @pytest.mark.parametrize("first, then", [({}, {"keepalive": False, "sync": False}),

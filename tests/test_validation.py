@@ -564,6 +564,7 @@ def parsed_fresh(data):
     from cupy_ipc import _wire
 
     _wire._layouts.clear()
+    _wire._resent.clear()
     try:
         return IpcArrayHandle.from_bytes(data)
     except HandleError as e:

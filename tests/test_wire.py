@@ -98,6 +98,29 @@ def test_round_trip_layouts(layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 @pytest.mark.parametrize("kind", [Kind.LEGACY, Kind.POOL])
+def test_another_export_of_a_handle_is_spliced_into_its_wire_form_and_parsed_as_a_first_handle(layout, kind):
+    # A re-sent array's export joins its first wire form's parts with its own flags and export part; a
+    # receiver that parsed the first looks the rest of the fields up.
+    from cupy_ipc import _wire
+    from cupy_ipc._wire import export_parts, pack_array, splice, unpack_array, with_export
+
+    f = make(**layout)._f._replace(kind=kind, fd=5 if kind == Kind.POOL else -1, resource=9 if kind else 0)
+    wire = pack_array(f)
+    for flags, export_id, slot, event in ((f.flags, 1, 0, MEMORY_HANDLE), (3, 2**64 - 1, 2**32 - 1, EVENT_HANDLE),
+                                          (1, 12, 4, bytes(64))):
+        expected = with_export(f, flags, export_id, slot, event)
+        other = splice(export_parts(wire), flags, export_id, slot, event)
+        assert other == pack_array(expected)
+        unpack_array(wire)  # the first export, seen before
+        assert unpack_array(other) == expected
+        assert unpack_array(other) == expected  # seen before as it is
+        _wire._resent.clear()
+        _wire._layouts.clear()
+        assert unpack_array(other) == expected  # as a first handle
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+@pytest.mark.parametrize("kind", [Kind.LEGACY, Kind.POOL])
 def test_a_layout_joined_with_another_allocation_and_export_is_their_wire_form(layout, kind):
     # How an export of a known layout is packed: the first array's unchanging bytes around the new fields.
     from cupy_ipc._wire import layout_of, pack_array, with_allocation, with_export
