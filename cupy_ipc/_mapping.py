@@ -398,14 +398,16 @@ def _forged(claimed: int, mapped: int) -> str:
         "forged or corrupt"
 
 
-def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | None, released: bool = True) -> bool:
-    """Mapping ``m`` has lost its last user: keep it idle or unmap it; True when the idle mapping took over
-    ``claim_key`` (the caller must not release it). Unless ``released``, that user's open failed: the
-    mapping is unmapped, neither kept idle (with a claim that would outlive the failure) nor remembered as a
-    buffer released here."""
+def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | None,
+            released: bool = True) -> tuple[bool, _Mapping | None]:
+    """Mapping ``m`` has lost its last user: keep it idle or unmap it. Returns whether the idle mapping took
+    over ``claim_key`` (the caller must not release it), and a legacy handle's mapping that the caller must
+    unmap once it has let the claim go (under the lock: see :func:`_finish`). Unless ``released``, that
+    user's open failed: the mapping is unmapped, neither kept idle (with a claim that would outlive the
+    failure) nor remembered as a buffer released here."""
     del _active[key]
     if not m.imported:  # the producer's own memory: nothing to unmap or keep
-        return False
+        return False, None
     # Only an allocation released here before (a buffer sent again) is kept
     # idle: one sent once is unmapped now, as a plain close would, rather than
     # later by the eviction of an older mapping (whose producer may have freed
@@ -416,11 +418,13 @@ def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | No
         _park(key, m)
         if len(_idle) > _idle_limit or _idle_fds:
             _trim_idle()
-        return held
+        return held, None
+    if m.close is None:
+        return False, m
     # Other imports are unmapped here, before the claim goes: the producer may
     # free a pool allocation only once every importer has (CUDA's rule).
     m.unmap()
-    return False
+    return False, None
 
 
 def _released_before(key: tuple[Any, ...]) -> bool:
@@ -483,17 +487,30 @@ class Lease:
 
 
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:
-    """One user of a mapping, and its claim, fewer (``released``: see :func:`_retire`)."""
+    """One user of a mapping, and its claim, fewer (``released``: see :func:`_retire`).
+
+    A legacy handle's mapping is unmapped after its claim goes: closing one waits until the whole GPU is
+    idle (``cudaIpcCloseMemHandle`` does, as ``cudaFree`` does: measured on an H200), which must not keep
+    the producer's memory from it while this process's other streams work. The producer may then free and
+    reuse the allocation, which the mapping, whose last user is done, no longer reads. Still under the
+    lock: an open of the same handle meanwhile would get the same mapping back from the driver, which this
+    close would then end.
+    """
     with _lock:
-        kept = False
+        kept, unmapped = False, None
         try:
             m = _active.get(mapping_key)
             if m is not None:
                 m.users -= 1
-                kept = not m.users and _retire(mapping_key, m, claim_key, released)
+                if not m.users:
+                    kept, unmapped = _retire(mapping_key, m, claim_key, released)
         finally:  # also if interrupted (Ctrl-C in the unmap): a claim left held would pin the memory until exit
-            if claim_key is not None and not kept:
-                _unclaim(claim_key)
+            try:
+                if claim_key is not None and not kept:
+                    _unclaim(claim_key)
+            finally:
+                if unmapped is not None:
+                    unmapped.unmap()
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)

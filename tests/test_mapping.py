@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 
@@ -95,6 +96,34 @@ def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, mo
     with pytest.raises(KeyboardInterrupt):
         _mapping._finish(("k",), claim)
     assert not _mapping._claims and not held()
+
+
+@pytest.mark.parametrize("kind", ["legacy", "pool"])
+def test_a_legacy_mapping_is_closed_after_its_claim_goes_and_a_pools_before(producer, monkeypatch, kind):
+    # Closing a legacy mapping waits until the whole GPU is idle (measured): while it waits, the producer must
+    # have its memory back. A pool's import must be freed before the producer frees the memory (CUDA's rule).
+    import os
+
+    token, own, view, held = producer
+    seen: list[bool] = []  # whether the claim was still held at each unmap
+
+    class Runtime:
+        getDevice = staticmethod(lambda: 0)
+
+        def ipcCloseMemHandle(self, ptr):
+            seen.append(held())
+
+    monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
+    with _mapping._lock:
+        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
+        m = _mapping._Mapping(0x1000, 0, imported=True,
+                              close=(lambda ptr: seen.append(held())) if kind == "pool" else None)
+        m.users = 1
+        _mapping._active[("k",)] = m
+    monkeypatch.setattr(_mapping._cuda, "using_device", lambda device, bind=False: contextlib.nullcontext())
+    _mapping._finish(("k",), claim)
+    assert seen == ([False] if kind == "legacy" else [True])
+    assert not _mapping._claims and not held() and not _mapping._active
 
 
 def test_an_open_interrupted_while_its_lease_is_made_lets_the_mapping_and_claim_go(producer, monkeypatch):
