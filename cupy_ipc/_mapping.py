@@ -514,8 +514,6 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
-_LEGACY = 1  # cudaStreamLegacy
-_PER_THREAD = 2  # cudaStreamPerThread
 
 
 def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, stream: Any, device: int,
@@ -527,8 +525,8 @@ def _release(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, 
     work of every thread's, stands for it."""
     try:
         ptr = stream.ptr
-        if ptr == _PER_THREAD and opener is not None and opener is not _threads.mark():
-            ptr = _LEGACY
+        if opener is not None:
+            ptr = _threads.nameable(ptr, opener)
         if ptr in _DEFAULT_STREAMS and _cuda.rt().getDevice() != device:
             with _cuda.using_device(device):
                 idle = _cuda.stream_idle(ptr)

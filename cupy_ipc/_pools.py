@@ -321,7 +321,7 @@ class _DriverPools:
         self.streams[ptr] = (weakref.ref(stream), _threads.mark())  # and the thread, whose per-thread stream it may be
         return ptr
 
-    def free(self, ptr: int, device: int, _mark: Callable[[], object] = _threads.mark) -> None:
+    def free(self, ptr: int, device: int, _nameable: Callable[[int, object], int] = _threads.nameable) -> None:
         # Bound names only: blocks are also freed while the interpreter shuts down, when imports fail and
         # module globals are gone; the driver releases the pool's memory with the process then anyway.
         ref, owner = self.streams.pop(ptr, (None, None))
@@ -334,10 +334,7 @@ class _DriverPools:
             stream = ref() if ref is not None else None
             if stream is None:
                 stream = self.cupy.cuda.get_current_stream()
-            handle = stream.ptr
-            if handle == 2 and owner is not _mark():  # another thread's per-thread default stream: not nameable
-                handle = 1  # cudaStreamLegacy, ordered after every thread's per-thread default stream
-            self.runtime.freeAsync(ptr, handle)
+            self.runtime.freeAsync(ptr, _nameable(stream.ptr, owner))
 
     def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
         # Nothing allocated here is still in use, nor awaited by a consumer (a pin holds its array). Destroying

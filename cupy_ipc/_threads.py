@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-__all__ = ["mark"]
+__all__ = ["mark", "nameable"]
 
 
-def _marker() -> Callable[[], object]:
+def _marker() -> tuple[Callable[[], object], Callable[[int, object], int]]:
     local = threading.local()
 
     # A closure, not module globals: also called while the interpreter tears modules down (a destructor's).
@@ -25,7 +25,18 @@ def _marker() -> Callable[[], object]:
             m = local.mark = object()
             return m
 
-    return mark
+    def nameable(stream: int, owner: object) -> int:
+        """Stream handle ``stream`` of the thread ``owner`` marked, as this thread can name it: another thread's
+        per-thread default stream (2) cannot be, and the legacy default stream (1), which follows the work of
+        every thread's, stands for it.
+
+        Example:
+            >>> nameable(2, mark()), nameable(2, object()), nameable(0x5000, object())
+            (2, 1, 20480)
+        """
+        return 1 if stream == 2 and owner is not mark() else stream
+
+    return mark, nameable
 
 
-mark = _marker()
+mark, nameable = _marker()
