@@ -376,12 +376,12 @@ def get_ipc_handle(
         >>> h                                             # doctest: +SKIP
         <IpcArrayHandle shape=(6,) dtype=float32 device=0 producer=pid 4242@gpu-host>
     """
-    if stream is None and lease is None and type(consumers) is int and consumers == 1 and keepalive and sync:
-        hit = _by_array.get(array)  # (only cupy.ndarrays are kept)
-        if hit is not None and hit[2] is not None:
-            h = _resend(array, hit[2])
-            if h is not None:
-                return h
+    hit = _by_array.get(array)  # (only cupy.ndarrays are kept)
+    if hit is not None and hit[2] is not None and stream is None and lease is None and type(consumers) is int \
+            and consumers == 1 and keepalive and sync:
+        h = _resend(array, hit[2])
+        if h is not None:
+            return h
     _fork.check()
     if type(consumers) is not int or not 1 <= consumers <= _segment.MAX_OPENS:  # (checked off the common path)
         consumers = checked_count(consumers, "consumers", 1, _segment.MAX_OPENS)  # what a segment counts
@@ -397,8 +397,8 @@ def get_ipc_handle(
         return IpcArrayHandle._make(fields)
     # A live array's wire form is cached after its first export: later ones change only the export part,
     # unless the array was reshaped in place since (CuPy lets `a.shape = ...` change a live array's layout).
-    hit = _by_array.get(arr)
-    if hit is not None and (hit[0].shape != arr.shape or hit[0].strides != arr.strides):
+    # (A temporary that _as_cupy made of another library's array is never kept.)
+    if arr is not array or hit is not None and (hit[0].shape != arr.shape or hit[0].strides != arr.strides):
         hit = None
     if hit is not None:
         template, static, lane = hit
