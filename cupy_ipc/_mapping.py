@@ -81,16 +81,15 @@ class _Mapping:
     def unmap(self) -> None:
         if not self.imported:
             return
-        runtime = _cuda.rt()
         try:
-            if self.close is None and runtime.getDevice() == self.device:  # the common case: no switch
-                runtime.ipcCloseMemHandle(self.ptr)
+            if self.close is None and _cuda.rt().getDevice() == self.device:  # the common case: no switch
+                _cuda.close_ipc_mapping(self.ptr, self.device)
                 return
             with _cuda.using_device(self.device, bind=True):  # a pool's or pieces' unmap: driver calls
                 if self.close is not None:
                     self.close(self.ptr)
                 else:
-                    runtime.ipcCloseMemHandle(self.ptr)
+                    _cuda.close_ipc_mapping(self.ptr, self.device)
         except Exception as e:  # destructor path: warn, never raise
             warn_quietly(f"could not unmap 0x{self.ptr:x}: {e}")
 
@@ -139,6 +138,7 @@ def set_idle_mapping_limit(n: int) -> int:
     with _lock:
         old, _idle_limit = _idle_limit, n
         _trim_idle()
+    _close_pending()
     return old
 
 
@@ -181,8 +181,12 @@ def _discard_oldest() -> None:
 
 
 def _discard(m: _Mapping) -> None:
-    """Unmap an idle mapping, then let its producer free the memory (in that order: CUDA's rule)."""
-    m.unmap()
+    """Let an idle mapping go: a legacy handle's is closed once ``_lock`` is released (:func:`_close_later`);
+    another is unmapped now, then its producer may free the memory (in that order: CUDA's rule)."""
+    if m.imported and m.close is None:
+        _close_later(m)
+    else:
+        m.unmap()
     _drop_held(m)
 
 
@@ -192,12 +196,88 @@ def _drop_held(m: _Mapping) -> None:
 
 
 def collect_idle() -> int:
-    """Unmap every idle mapping; returns how many."""
+    """Unmap every idle mapping, and wait for the closes under way; returns how many were idle."""
     with _lock:
         n = len(_idle)
         while _idle:
             _discard_oldest()
+    _close_pending()
+    with _closed:
+        while _closing:  # closed by the threads that let them go
+            _closed.wait(1.0)
     return n
+
+
+# --- closes outside the lock ----------------------------------------------------
+# A legacy handle's mapping let go under _lock is closed once the lock is released, by the thread that let it
+# go: the close waits until the whole GPU is idle (see _cuda.close_ipc_mapping), which must hold up neither
+# this process's other opens and releases nor, through their claims, the producers' memory. Until then an
+# import that collides with it closes it first, or waits for the thread closing it: the driver would hand
+# that import the mapping being closed.
+_to_close: list[_Mapping] = []  # let go, no thread closing them yet
+_closing: dict[int, _Mapping] = {}  # by id: let go, not closed yet
+_closed = threading.Condition(threading.Lock())  # notified after each close; never taken before _lock
+
+
+def _close_later(m: _Mapping) -> None:
+    """Have ``m``, a legacy import in neither table, closed once ``_lock`` (which the caller holds) is let go."""
+    _closing[id(m)] = m
+    _to_close.append(m)
+
+
+def _close_pending() -> None:
+    """Close the mappings let go under ``_lock``, which the caller should no longer hold."""
+    while _to_close:
+        try:
+            m = _to_close.pop()
+        except IndexError:  # another thread took the last one
+            return
+        _close_now(m)
+
+
+def _close_now(m: _Mapping) -> None:
+    try:
+        m.unmap()
+    finally:
+        with _closed:
+            _closing.pop(id(m), None)
+            _closed.notify_all()
+
+
+def _collides(m: _Mapping, device: int, origin: Origin | None) -> bool:
+    """Whether an import of ``origin`` on ``device`` collides with legacy mapping ``m`` (every one there does,
+    if ``None``): the same handle bytes, which the driver would hand back instead of mapping the new
+    allocation, or the sender's addresses that the new allocation overlaps (that memory was freed, and the
+    driver refuses to map the new one beside it)."""
+    old = m.origin
+    if old is None or m.device != device:
+        return False
+    return origin is None or old[0] == origin[0] or (
+        old[1] == origin[1] and old[2] < origin[2] + origin[3] and origin[2] < old[2] + old[3])
+
+
+def _await_closes(device: int, origin: Origin | None) -> int:
+    """Before an import of ``origin`` on ``device``: close the mappings let go that it collides with, or wait
+    for the threads closing them; returns how many there were. The caller holds ``_lock``."""
+    seen = 0
+    while True:
+        with _closed:
+            colliding = [m for m in _closing.values() if _collides(m, device, origin)]
+            if not colliding:
+                return seen
+            seen = max(seen, len(colliding))
+            mine = []
+            for m in colliding:
+                try:
+                    _to_close.remove(m)
+                except ValueError:  # another thread is closing it
+                    continue
+                mine.append(m)
+            if not mine:
+                _closed.wait(1.0)
+                continue
+        for m in mine:
+            _close_now(m)
 
 
 def counts() -> dict[str, int]:
@@ -279,6 +359,8 @@ def _import(device: int, memory_handle: bytes, allocation_size: int, origin: Ori
     """Open a legacy handle on ``device``, the current GPU."""
     if origin is not None and _idle:
         _drop_idle_colliding(device, origin)
+    if _closing:
+        _await_closes(device, origin)
     runtime = _cuda.rt()
     try:
         ptr = _cuda.call("opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
@@ -287,7 +369,8 @@ def _import(device: int, memory_handle: bytes, allocation_size: int, origin: Ori
         if e.cuda_error != "cudaErrorAlreadyMapped":
             raise
         # An idle mapping of an allocation the driver counts as this one (sent on by another process, say).
-        if not _drop_idle_colliding(device, None):
+        dropped = _drop_idle_colliding(device, None)
+        if not dropped + _await_closes(device, None):
             raise IpcError(
                 f"{e} (this process still maps an earlier allocation at the producer's addresses, through an "
                 "array in use: was it exported with keepalive=False and freed before this array was made?)",
@@ -300,21 +383,10 @@ def _import(device: int, memory_handle: bytes, allocation_size: int, origin: Ori
 
 
 def _drop_idle_colliding(device: int, origin: Origin | None) -> int:
-    """Unmap the idle legacy mappings on ``device`` that an import of ``origin`` collides with (every one if
-    ``None``); returns how many. The caller holds ``_lock``.
-
-    Those are the mappings of the same handle bytes, which the driver would hand back instead of mapping the
-    new allocation, and those of the sender's addresses that the new allocation overlaps: that memory was
-    freed (the new allocation took its place), and the driver refuses to map the new one beside it.
-    """
-    stale = []
-    for key, m in _idle.items():
-        old = m.origin
-        if old is None or m.device != device:
-            continue
-        if origin is None or old[0] == origin[0] or (
-                old[1] == origin[1] and old[2] < origin[2] + origin[3] and origin[2] < old[2] + old[3]):
-            stale.append(key)
+    """Let go of the idle legacy mappings on ``device`` that an import of ``origin`` collides with (see
+    :func:`_collides`); returns how many. The caller holds ``_lock``, and closes them with
+    :func:`_await_closes` before it imports."""
+    stale = [key for key, m in _idle.items() if _collides(m, device, origin)]
     for key in stale:
         _discard(_unpark(key))  # type: ignore[arg-type]
     return len(stale)
@@ -402,7 +474,7 @@ def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | No
             released: bool = True) -> tuple[bool, _Mapping | None]:
     """Mapping ``m`` has lost its last user: keep it idle or unmap it. Returns whether the idle mapping took
     over ``claim_key`` (the caller must not release it), and a legacy handle's mapping that the caller must
-    unmap once it has let the claim go (under the lock: see :func:`_finish`). Unless ``released``, that
+    close once it has let the claim go (see :func:`_finish`). Unless ``released``, that
     user's open failed: the mapping is unmapped, neither kept idle (with a claim that would outlive the
     failure) nor remembered as a buffer released here."""
     del _active[key]
@@ -489,28 +561,32 @@ class Lease:
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:
     """One user of a mapping, and its claim, fewer (``released``: see :func:`_retire`).
 
-    A legacy handle's mapping is unmapped after its claim goes: closing one waits until the whole GPU is
-    idle (``cudaIpcCloseMemHandle`` does, as ``cudaFree`` does: measured on an H200), which must not keep
-    the producer's memory from it while this process's other streams work. The producer may then free and
-    reuse the allocation, which the mapping, whose last user is done, no longer reads. Still under the
-    lock: an open of the same handle meanwhile would get the same mapping back from the driver, which this
-    close would then end.
+    A legacy handle's mapping is closed after its claim goes, and after the lock is released: closing one
+    waits until the whole GPU is idle (``cudaIpcCloseMemHandle`` does, as ``cudaFree`` does: measured on an
+    H200), which must keep neither the producer's memory from it nor this process's other opens and
+    releases waiting while this process's other streams work. The producer may then free and reuse the
+    allocation, which the mapping, whose last user is done, no longer reads; an open of the same handle
+    meanwhile waits for the close (see :func:`_close_later`).
     """
-    with _lock:
-        kept, unmapped = False, None
-        try:
-            m = _active.get(mapping_key)
-            if m is not None:
-                m.users -= 1
-                if not m.users:
-                    kept, unmapped = _retire(mapping_key, m, claim_key, released)
-        finally:  # also if interrupted (Ctrl-C in the unmap): a claim left held would pin the memory until exit
+    try:
+        with _lock:
+            kept, unmapped = False, None
             try:
-                if claim_key is not None and not kept:
-                    _unclaim(claim_key)
-            finally:
-                if unmapped is not None:
-                    unmapped.unmap()
+                m = _active.get(mapping_key)
+                if m is not None:
+                    m.users -= 1
+                    if not m.users:
+                        kept, unmapped = _retire(mapping_key, m, claim_key, released)
+            finally:  # also if interrupted: a claim left held would pin the memory until exit
+                try:
+                    if claim_key is not None and not kept:
+                        _unclaim(claim_key)
+                finally:
+                    if unmapped is not None:
+                        _close_later(unmapped)
+    finally:
+        if _to_close:
+            _close_pending()
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)
@@ -579,24 +655,28 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
     :data:`Origin`).
     """
     _reaper.start()  # before the first lease (see _reaper)
-    with _lock:
-        claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
-        try:
-            m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim, segment, origin)
-        except BaseException:
+    try:
+        with _lock:
+            claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
             try:
-                if last_try:
-                    _count(claim_key)
-            finally:
-                _unclaim(claim_key)
-            raise
-        try:
-            lease = Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
-                          memory_device)
-        except BaseException:  # interrupted: no lease will let the mapping and claim go
-            _finish(key, claim_key, released=False)
-            raise
-    return m.ptr, lease
+                m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim, segment, origin)
+            except BaseException:
+                try:
+                    if last_try:
+                        _count(claim_key)
+                finally:
+                    _unclaim(claim_key)
+                raise
+            try:
+                lease = Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
+                              memory_device)
+            except BaseException:  # interrupted: no lease will let the mapping and claim go
+                _finish(key, claim_key, released=False)
+                raise
+        return m.ptr, lease
+    finally:
+        if _to_close:  # idle mappings of exited producers, let go by the import
+            _close_pending()
 
 
 def count_unclaimed(segment: _segment.Segment, producer_token: bytes, producer_pid: int, export_id: int,
@@ -649,13 +729,16 @@ def abandon(lease: Lease, count: bool = False) -> None:
 
 
 def _forget_after_fork() -> None:
-    global _idle_fds, _lock
+    global _idle_fds, _lock, _closed
     _lock = threading.RLock()  # another thread may have held it at the fork
     _active.clear()
     _idle.clear()
     _idle_fds = 0
     _claims.clear()
     _released.clear()
+    _to_close.clear()
+    _closing.clear()
+    _closed = threading.Condition(threading.Lock())
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -103,6 +103,27 @@ def test_an_array_dropped_off_its_openers_per_thread_stream_is_released_after_th
     assert waited < 4.0, f"released after {waited:.1f} s: it waited for the unrelated 6 s kernel"
 
 
+def test_a_mapping_closed_while_the_gpu_is_busy_holds_up_neither_other_threads_nor_their_opens(remote):
+    """Closing a buffer's mapping waits until the consumer's whole GPU is idle. It used to hold the GIL all that
+    time (every thread of the consumer stopped), and the library's lock (every other open and release waited)."""
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    a, b = cupy.zeros(N, cupy.float32), cupy.full(N, 3, cupy.float32)
+    first, second = cupy_ipc.get_ipc_handle(a).to_bytes(), cupy_ipc.get_ipc_handle(b).to_bytes()
+    t = consumer.call("drop_on_a_thread_while_busy", first, second, 3.0)
+    assert t["closed"] > 2.0, f"the close did not wait for the GPU ({t['closed']:.2f} s): the check proves nothing"
+    assert t["value"] == 3.0
+    assert t["looped"] < 1.0, f"the other thread ran no Python while the close waited ({t['looped']:.2f} s)"
+    assert t["second"] < 1.0, f"another open waited for the close ({t['second']:.2f} s)"
+    deadline = time.monotonic() + 20
+    while cupy_ipc.pinned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cupy_ipc.pinned() == []
+
+
 def test_a_release_interrupted_by_ctrl_c_still_ends_once_the_consumers_work_is_done(remote):
     """Ctrl-C in the release's stream query: the release goes on on the library's thread, after the GPU's
     work (before, the memory stayed pinned until the consumer exited)."""

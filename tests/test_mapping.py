@@ -87,6 +87,7 @@ def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, mo
             raise KeyboardInterrupt
 
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: Runtime().ipcCloseMemHandle(ptr))
     with _mapping._lock:
         claim = _mapping._claim(view, token, os.getpid(), 9, 3)
         m = _mapping._Mapping(0x1000, 0, imported=True)
@@ -114,6 +115,7 @@ def test_a_legacy_mapping_is_closed_after_its_claim_goes_and_a_pools_before(prod
             seen.append(held())
 
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: Runtime().ipcCloseMemHandle(ptr))
     with _mapping._lock:
         claim = _mapping._claim(view, token, os.getpid(), 9, 3)
         m = _mapping._Mapping(0x1000, 0, imported=True,
@@ -148,3 +150,111 @@ def test_an_open_interrupted_while_its_lease_is_made_lets_the_mapping_and_claim_
 def test_a_lease_interrupted_while_it_was_made_is_finalized_quietly():
     lease = _mapping.Lease.__new__(_mapping.Lease)  # no slot set: __del__ raised AttributeError
     lease.__del__()
+
+
+# --- a legacy mapping's close, after the lock -----------------------------------------------------------------
+@pytest.fixture
+def closes(monkeypatch):
+    """Empty tables of closes; a runtime whose opens and closes are recorded, in order, in the list returned."""
+    seen: list[str] = []
+
+    class Runtime:
+        cudaIpcMemLazyEnablePeerAccess = 1
+        getDevice = staticmethod(lambda: 0)
+
+        def ipcOpenMemHandle(self, handle, flags):
+            seen.append("open")
+            return 0x5000
+
+    monkeypatch.setattr(_mapping, "_to_close", [])
+    monkeypatch.setattr(_mapping, "_closing", {})
+    monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
+    monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: seen.append(f"close {ptr:#x}"))
+    monkeypatch.setattr(_mapping, "_checked", lambda m, *size: m)  # (the driver's mapped size)
+    return seen
+
+
+def _let_go(ptr: int, origin: _mapping.Origin, device: int = 0) -> _mapping._Mapping:
+    m = _mapping._Mapping(ptr, device, imported=True)
+    m.origin = origin
+    with _mapping._lock:
+        _mapping._close_later(m)
+    return m
+
+
+def test_a_legacy_mapping_is_closed_once_the_lock_is_let_go(producer, closes, monkeypatch):
+    # The close waits until the GPU is idle: under the lock, every other open and release of the process waited.
+    import os
+    import threading
+
+    token, own, view, held = producer
+    free: list[bool] = []
+
+    def take_the_lock() -> None:
+        free.append(_mapping._lock.acquire(timeout=5))
+        if free[-1]:
+            _mapping._lock.release()
+
+    def close(ptr, device):
+        t = threading.Thread(target=take_the_lock)
+        t.start()
+        t.join(10)
+
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", close)
+    with _mapping._lock:
+        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
+        m = _mapping._Mapping(0x1000, 0, imported=True)
+        m.users = 1
+        _mapping._active[("k",)] = m
+    _mapping._finish(("k",), claim)
+    assert free == [True]
+    assert not _mapping._closing and not _mapping._to_close and not held()
+
+
+def test_an_import_colliding_with_a_close_not_under_way_closes_it_first(closes):
+    _let_go(0x1000, (H1, B, 0x9000, 0x1000))  # the same handle bytes
+    _let_go(0x2000, (H2, A, 0x1000, 0x1000))  # the sender's freed allocation at the new one's addresses
+    _let_go(0x3000, (H2, A, 0x4000, 0x1000))  # another allocation
+    _let_go(0x4000, (H2, A, 0x1000, 0x1000), device=1)  # another GPU's
+    with _mapping._lock:
+        m = _mapping._import(0, H1, 0x3000, (H1, A, 0x1000, 0x3000))
+    assert m.ptr == 0x5000
+    assert sorted(closes[:2]) == ["close 0x1000", "close 0x2000"] and closes[2:] == ["open"]
+    assert sorted(m.ptr for m in _mapping._to_close) == [0x3000, 0x4000]  # left to the threads that let them go
+    _mapping._close_pending()
+    assert not _mapping._closing and not _mapping._to_close
+
+
+def test_an_import_colliding_with_a_close_under_way_waits_for_it(closes):
+    import threading
+    import time
+
+    m = _let_go(0x1000, (H1, B, 0x9000, 0x1000))
+    _mapping._to_close.remove(m)  # another thread took it, and closes it
+    def import_it() -> None:
+        with _mapping._lock:
+            _mapping._import(0, H1, 64, (H1, A, 0x1000, 64))
+
+    t = threading.Thread(target=import_it)
+    t.start()
+    time.sleep(0.3)
+    assert closes == [] and t.is_alive()
+    _mapping._close_now(m)  # that thread's close ends
+    t.join(10)
+    assert closes == ["close 0x1000", "open"] and not _mapping._closing
+
+
+def test_a_close_on_a_thread_with_no_context_makes_the_mappings_gpu_current_and_tries_again(monkeypatch):
+    # The library's own threads have made no runtime call: the driver then has no context to close in.
+    calls: list[object] = []
+
+    def close(ptr):
+        calls.append(ptr)
+        return 201 if len(calls) == 1 else 0  # CUDA_ERROR_INVALID_CONTEXT, then success
+
+    monkeypatch.setattr(_mapping._cuda, "_ipc_close", lambda: close)
+    monkeypatch.setattr(_mapping._cuda, "using_device",
+                        lambda device, bind=False: calls.append(("current", device, bind)) or contextlib.nullcontext())
+    _mapping._cuda.close_ipc_mapping(0x1000, 1)
+    assert calls == [0x1000, ("current", 1, True), 0x1000]

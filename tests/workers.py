@@ -330,6 +330,46 @@ def open_on_a_thread_then_drop(data: bytes, seconds: float, unrelated: float) ->
     return stream
 
 
+def drop_on_a_thread_while_busy(first: bytes, second: bytes, unrelated: float) -> dict[str, float]:
+    """Open ``first``, queue a kernel of ``unrelated`` seconds on a non-blocking stream, and drop the array on a
+    thread, whose release closes the mapping (a buffer sent once), a close that waits for that kernel. Meanwhile,
+    here: count Python loops for 0.2 s, then open ``second`` (read once the close is done). Returns when each
+    ended, in seconds from the drop, with the value read."""
+    import threading
+
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    warm_up()
+    box = [IpcArrayHandle.from_bytes(first).open()]
+    float(box[0][0])
+    spin(unrelated, cupy.cuda.Stream(non_blocking=True))
+    times: dict[str, float] = {}
+    started = threading.Event()
+
+    def dropper() -> None:
+        times["drop"] = time.monotonic()
+        started.set()
+        box.clear()  # the last array: its release closes the mapping
+        times["closed"] = time.monotonic()
+
+    t = threading.Thread(target=dropper)
+    t.start()
+    started.wait(10)
+    loops, end = 0, time.monotonic() + 0.2
+    while time.monotonic() < end:
+        loops += 1
+    times["looped"] = time.monotonic()
+    arr = IpcArrayHandle.from_bytes(second).open()
+    times["second"] = time.monotonic()
+    t.join(60)
+    value = float(arr[0])  # after the close: a kernel launch waits for another thread's close (measured)
+    del arr
+    drop = times.pop("drop")
+    return {**{k: v - drop for k, v in times.items()}, "value": value, "loops": loops}
+
+
 def spin_then_drop_interrupted(data: bytes, seconds: float) -> str:
     """As :func:`spin_then_drop`, with Ctrl-C arriving in the release's stream query; returns the name of what
     the dropping reported (a destructor's exception is reported, not raised)."""
