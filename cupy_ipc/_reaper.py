@@ -1,7 +1,9 @@
-"""A thread of the library's own, for work that must not run where it arises.
+"""Threads of the library's own, for work that must not run where it arises.
 
 - A consumer's release waits there for the GPU work queued on the memory,
-  without blocking the threads that use the library.
+  without blocking the threads that use the library. Each wait has a thread
+  to itself (up to eight wait at once), so that a release whose work takes
+  long holds up no release behind it whose work is done.
 - Finalizers that the cyclic garbage collector runs hand their work there.
   The collector runs wherever an allocation sets it off, inside this
   library's locked regions too, on the thread holding the lock: run there, a
@@ -36,6 +38,14 @@ _queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
 _running = False
 _start_lock = threading.Lock()
 _collecting = False
+# The waiters: threads that each wait for one piece of work's event, then do it. Counted under _count_lock
+# by the thread that hands them work (the one _run runs on) and by themselves.
+_MAX_WAITERS = 8
+_waits: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+_count_lock = threading.Lock()
+_waiters = 0  # started
+_free = 0  # waiting for work that no other waiter will take
+_backlog = 0  # work handed over while every waiter was busy
 
 
 def _note_collection(phase: str, info: dict[str, int]) -> None:
@@ -89,25 +99,61 @@ def now_or_later(then: Callable[..., Any], *args: Any) -> None:
 
 
 def _run(q: "queue.SimpleQueue[Any]") -> None:
-    runtime = _cuda.rt()
+    # Only hands the work on: a finalizer may put work on the queue, but not start a thread.
     while True:
-        done, device, then, args = q.get()
-        if done is not None:
-            try:
-                runtime.setDevice(device)
-                done.synchronize()
-            except Exception as e:  # its work may still read the memory: kept, as a release that cannot order is
-                warn_quietly(f"could not wait for a consumer's work, so its memory stays pinned: {e}")
-                continue
+        _hand_to_a_waiter(q.get())
+
+
+def _hand_to_a_waiter(work: tuple[Any, ...]) -> None:
+    global _waiters, _free, _backlog
+    with _count_lock:
+        start = False
+        if _free:
+            _free -= 1
+        elif _waiters < _MAX_WAITERS:
+            _waiters += 1
+            start = True
+        else:
+            _backlog += 1
+    _waits.put(work)
+    if start:
         try:
-            then(*args)
-        except Exception as e:  # this thread serves every later release: it must not end
-            warn_quietly(f"could not finish a release: {e}")
+            threading.Thread(target=_wait, args=(_waits,), name=f"cupy_ipc-reaper-{_waiters}", daemon=True).start()
+        except RuntimeError:  # no new thread (the interpreter is shutting down, say): done here
+            with _count_lock:
+                _waiters -= 1
+            _do(*_waits.get())
+
+
+def _wait(q: "queue.SimpleQueue[Any]") -> None:
+    global _free, _backlog
+    while True:
+        _do(*q.get())
+        with _count_lock:
+            if _backlog:
+                _backlog -= 1  # this waiter takes work handed over while all were busy
+            else:
+                _free += 1
+
+
+def _do(done: Any, device: int, then: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    if done is not None:
+        try:
+            _cuda.rt().setDevice(device)
+            done.synchronize()
+        except Exception as e:  # its work may still read the memory: kept, as a release that cannot order is
+            warn_quietly(f"could not wait for a consumer's work, so its memory stays pinned: {e}")
+            return
+    try:
+        then(*args)
+    except Exception as e:  # these threads serve every later release: they must not end
+        warn_quietly(f"could not finish a release: {e}")
 
 
 def _forget_after_fork() -> None:
-    global _queue, _running, _start_lock
-    _queue, _running, _start_lock = queue.SimpleQueue(), False, threading.Lock()  # the thread is the parent's
+    global _queue, _running, _start_lock, _waits, _count_lock, _waiters, _free, _backlog
+    _queue, _running, _start_lock = queue.SimpleQueue(), False, threading.Lock()  # the threads are the parent's
+    _waits, _count_lock, _waiters, _free, _backlog = queue.SimpleQueue(), threading.Lock(), 0, 0, 0
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -124,6 +124,36 @@ def test_a_mapping_closed_while_the_gpu_is_busy_holds_up_neither_other_threads_n
     assert cupy_ipc.pinned() == []
 
 
+def test_a_release_whose_work_takes_long_holds_up_no_release_behind_it(remote):
+    """A consumer drops an array whose stream runs a 4 s kernel, then one whose stream's work takes 0.3 s:
+    the second's memory goes back to the producer once that work is done. One thread used to wait for each
+    release in turn, and the second waited for the first's kernel."""
+    import cupy
+
+    import cupy_ipc
+
+    consumer = remote()
+    a, b = cupy.zeros(N, cupy.float32), cupy.zeros(N, cupy.float32)
+    ha, hb = cupy_ipc.get_ipc_handle(a), cupy_ipc.get_ipc_handle(b)
+    ids = {ha._f.export_id: "long", hb._f.export_id: "short"}
+    consumer.call("drop_two_after_work_on_two_streams", ha.to_bytes(), hb.to_bytes(), 4.0, 0.3)
+    dropped = time.monotonic()
+
+    def pinned() -> set[str]:
+        return {ids[p.export_id] for p in cupy_ipc.pinned() if p.export_id in ids}
+
+    while "short" in pinned() and time.monotonic() < dropped + 20:
+        time.sleep(0.02)
+    waited, left = time.monotonic() - dropped, pinned()
+    assert "short" not in left
+    assert waited < 2.0, f"released after {waited:.1f} s: it waited for the other release's 4 s kernel"
+    assert left == {"long"}  # its kernel still runs
+    assert (b == 1).all()  # the consumer's write, done before the memory was let go
+    while pinned() and time.monotonic() < dropped + 20:
+        time.sleep(0.02)
+    assert pinned() == set() and (a == 1).all()
+
+
 def test_a_release_interrupted_by_ctrl_c_still_ends_once_the_consumers_work_is_done(remote):
     """Ctrl-C in the release's stream query: the release goes on on the library's thread, after the GPU's
     work (before, the memory stayed pinned until the consumer exited)."""

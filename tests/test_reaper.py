@@ -47,7 +47,7 @@ def test_an_object_that_the_garbage_collector_frees_is_finalized_on_the_librarys
     with _pools._lock:  # as if the collection had interrupted the library's code
         gc.collect()
     assert _eventually(lambda: len(ran) == 2)
-    assert ran[1] == "cupy_ipc-reaper"
+    assert ran[1].startswith("cupy_ipc-reaper-")  # one of the library's threads
 
 
 def test_a_lease_that_the_garbage_collector_frees_defers_the_end_of_its_release(monkeypatch):
@@ -103,3 +103,31 @@ def test_a_release_interrupted_while_it_orders_is_finished_on_the_librarys_threa
     with pytest.raises(KeyboardInterrupt):
         _mapping._release(("key",), (b"token", 3), _Stream(), 1)
     assert handed == [(_mapping._finish, (("key",), (b"token", 3)), _reaper.WHOLE_DEVICE, 1)]
+
+
+def test_a_release_whose_work_takes_long_holds_up_no_release_behind_it(monkeypatch):
+    # One thread waited for each release in turn: a release whose consumer's work was done waited behind an
+    # earlier one's long kernel on another stream, and the producer's memory stayed pinned as long.
+    import types
+
+    monkeypatch.setattr(_reaper._cuda, "rt", lambda: types.SimpleNamespace(setDevice=lambda device: None))
+    gate = threading.Event()
+
+    class Slow:
+        def synchronize(self):
+            gate.wait(10)
+
+    class Done:
+        def synchronize(self):
+            pass
+
+    ran: list[str] = []
+    _reaper.start()
+    for _ in range(_reaper._MAX_WAITERS - 1):
+        _reaper.later(ran.append, "slow", after=Slow())
+    _reaper.later(ran.append, "done", after=Done())
+    try:
+        assert _eventually(lambda: ran == ["done"])
+    finally:
+        gate.set()
+    assert _eventually(lambda: len(ran) == _reaper._MAX_WAITERS)

@@ -370,6 +370,28 @@ def drop_on_a_thread_while_busy(first: bytes, second: bytes, unrelated: float) -
     return {**{k: v - drop for k, v in times.items()}, "value": value, "loops": loops}
 
 
+def drop_two_after_work_on_two_streams(first: bytes, second: bytes, long: float, short: float) -> None:
+    """Open ``first`` on one non-blocking stream and ``second`` on another, queue a kernel of ``long`` seconds
+    and a write on the first, of ``short`` seconds and a write on the second, then drop both, the first
+    first: both releases wait for their stream's work."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    warm_up()
+    streams = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    arrays = []
+    for data, seconds, stream in zip((first, second), (long, short), streams):
+        with stream:
+            arr = IpcArrayHandle.from_bytes(data).open()
+            spin(seconds)
+            arr += 1
+        arrays.append(arr)
+        del arr
+    arrays.clear()
+    gc.collect()
+
+
 def spin_then_drop_interrupted(data: bytes, seconds: float) -> str:
     """As :func:`spin_then_drop`, with Ctrl-C arriving in the release's stream query; returns the name of what
     the dropping reported (a destructor's exception is reported, not raised)."""
