@@ -202,9 +202,8 @@ def collect_idle() -> int:
         while _idle:
             _discard_oldest()
     _close_pending()
-    with _closed:
-        while _closing:  # closed by the threads that let them go
-            _closed.wait(1.0)
+    while _close_one(lambda m: True, wait=True) is not None:  # the others', closed or waited for
+        pass
     return n
 
 
@@ -214,34 +213,59 @@ def collect_idle() -> int:
 # this process's other opens and releases nor, through their claims, the producers' memory. Until then an
 # import that collides with it closes it first, or waits for the thread closing it: the driver would hand
 # that import the mapping being closed.
-_to_close: list[_Mapping] = []  # let go, no thread closing them yet
 _closing: dict[int, _Mapping] = {}  # by id: let go, not closed yet
-_closed = threading.Condition(threading.Lock())  # notified after each close; never taken before _lock
+_under_way: set[int] = set()  # of those, the ones a thread is closing
+_closed = threading.Condition(threading.Lock())  # guards both, notified after each close; never taken before _lock
+_let_go = threading.local()  # .mappings: the ones this thread let go, for it to close
 
 
 def _close_later(m: _Mapping) -> None:
     """Have ``m``, a legacy import in neither table, closed once ``_lock`` (which the caller holds) is let go."""
     _closing[id(m)] = m
-    _to_close.append(m)
+    try:
+        _let_go.mappings.append(m)
+    except AttributeError:
+        _let_go.mappings = [m]
 
 
 def _close_pending() -> None:
-    """Close the mappings let go under ``_lock``, which the caller should no longer hold."""
-    while _to_close:
-        try:
-            m = _to_close.pop()
-        except IndexError:  # another thread took the last one
-            return
-        _close_now(m)
+    """Close the mappings this thread let go under ``_lock``, which it should no longer hold. (Another
+    thread's are its own to close: closing them here would make this thread wait for the GPU.)"""
+    mine = getattr(_let_go, "mappings", None)
+    while mine:
+        m = mine.pop()
+        _close_one(lambda c: c is m, wait=False)  # (unless an import closes it already)
 
 
-def _close_now(m: _Mapping) -> None:
+def _close_one(wanted: Callable[[_Mapping], bool], wait: bool) -> bool | None:
+    """Close one of the mappings let go that are ``wanted`` and that no thread is closing: True. False if
+    another thread is closing each one wanted (after waiting for one of those closes, if ``wait``); ``None``
+    if none is wanted.
+
+    Marked under way and closed in one ``try``: interrupted before the mark, the mapping stays in the table,
+    for an import that collides with it or ``collect()`` to close; after it, the mapping leaves the table
+    (even unclosed), so that no import waits for it for ever.
+    """
+    m = None
     try:
-        m.unmap()
-    finally:
         with _closed:
-            _closing.pop(id(m), None)
-            _closed.notify_all()
+            candidates = [c for c in _closing.values() if wanted(c)]
+            if not candidates:
+                return None
+            m = next((c for c in candidates if id(c) not in _under_way), None)
+            if m is None:
+                if wait:
+                    _closed.wait(1.0)
+                return False
+            _under_way.add(id(m))
+        m.unmap()
+        return True
+    finally:
+        if m is not None:
+            with _closed:
+                _under_way.discard(id(m))
+                _closing.pop(id(m), None)
+                _closed.notify_all()
 
 
 def _collides(m: _Mapping, device: int, origin: Origin | None) -> bool:
@@ -256,28 +280,13 @@ def _collides(m: _Mapping, device: int, origin: Origin | None) -> bool:
         old[1] == origin[1] and old[2] < origin[2] + origin[3] and origin[2] < old[2] + old[3])
 
 
-def _await_closes(device: int, origin: Origin | None) -> int:
+def _await_closes(device: int, origin: Origin | None) -> bool:
     """Before an import of ``origin`` on ``device``: close the mappings let go that it collides with, or wait
-    for the threads closing them; returns how many there were. The caller holds ``_lock``."""
-    seen = 0
-    while True:
-        with _closed:
-            colliding = [m for m in _closing.values() if _collides(m, device, origin)]
-            if not colliding:
-                return seen
-            seen = max(seen, len(colliding))
-            mine = []
-            for m in colliding:
-                try:
-                    _to_close.remove(m)
-                except ValueError:  # another thread is closing it
-                    continue
-                mine.append(m)
-            if not mine:
-                _closed.wait(1.0)
-                continue
-        for m in mine:
-            _close_now(m)
+    for the threads closing them; returns whether there were any. The caller holds ``_lock``."""
+    seen = False
+    while _close_one(lambda m: _collides(m, device, origin), wait=True) is not None:
+        seen = True
+    return seen
 
 
 def counts() -> dict[str, int]:
@@ -370,7 +379,7 @@ def _import(device: int, memory_handle: bytes, allocation_size: int, origin: Ori
             raise
         # An idle mapping of an allocation the driver counts as this one (sent on by another process, say).
         dropped = _drop_idle_colliding(device, None)
-        if not dropped + _await_closes(device, None):
+        if not _await_closes(device, None) and not dropped:
             raise IpcError(
                 f"{e} (this process still maps an earlier allocation at the producer's addresses, through an "
                 "array in use: was it exported with keepalive=False and freed before this array was made?)",
@@ -585,7 +594,7 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
                     if unmapped is not None:
                         _close_later(unmapped)
     finally:
-        if _to_close:
+        if _closing:  # (what this thread let go is there until it is closed)
             _close_pending()
 
 
@@ -675,7 +684,7 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
                 raise
         return m.ptr, lease
     finally:
-        if _to_close:  # idle mappings of exited producers, let go by the import
+        if _closing:  # idle mappings of exited producers, let go by the import
             _close_pending()
 
 
@@ -736,8 +745,9 @@ def _forget_after_fork() -> None:
     _idle_fds = 0
     _claims.clear()
     _released.clear()
-    _to_close.clear()
     _closing.clear()
+    _under_way.clear()
+    _let_go.mappings = []
     _closed = threading.Condition(threading.Lock())
 
 

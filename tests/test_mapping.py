@@ -166,8 +166,8 @@ def closes(monkeypatch):
             seen.append("open")
             return 0x5000
 
-    monkeypatch.setattr(_mapping, "_to_close", [])
     monkeypatch.setattr(_mapping, "_closing", {})
+    monkeypatch.setattr(_mapping, "_under_way", set())
     monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: seen.append(f"close {ptr:#x}"))
@@ -209,7 +209,7 @@ def test_a_legacy_mapping_is_closed_once_the_lock_is_let_go(producer, closes, mo
         _mapping._active[("k",)] = m
     _mapping._finish(("k",), claim)
     assert free == [True]
-    assert not _mapping._closing and not _mapping._to_close and not held()
+    assert not _mapping._closing and not _mapping._under_way and not held()
 
 
 def test_an_import_colliding_with_a_close_not_under_way_closes_it_first(closes):
@@ -221,28 +221,74 @@ def test_an_import_colliding_with_a_close_not_under_way_closes_it_first(closes):
         m = _mapping._import(0, H1, 0x3000, (H1, A, 0x1000, 0x3000))
     assert m.ptr == 0x5000
     assert sorted(closes[:2]) == ["close 0x1000", "close 0x2000"] and closes[2:] == ["open"]
-    assert sorted(m.ptr for m in _mapping._to_close) == [0x3000, 0x4000]  # left to the threads that let them go
+    left = sorted(m.ptr for m in _mapping._closing.values())
+    assert left == [0x3000, 0x4000]  # for the threads that let them go
     _mapping._close_pending()
-    assert not _mapping._closing and not _mapping._to_close
+    assert not _mapping._closing and not _mapping._under_way
 
 
-def test_an_import_colliding_with_a_close_under_way_waits_for_it(closes):
+def test_an_import_colliding_with_a_close_under_way_waits_for_it(closes, monkeypatch):
     import threading
     import time
 
-    m = _let_go(0x1000, (H1, B, 0x9000, 0x1000))
-    _mapping._to_close.remove(m)  # another thread took it, and closes it
+    gate = threading.Event()
+
+    def slow_close(ptr, device):
+        gate.wait(10)
+        closes.append(f"close {ptr:#x}")
+
+    def let_go_and_close() -> None:  # as a release does
+        _let_go(0x1000, (H1, B, 0x9000, 0x1000))
+        _mapping._close_pending()
+
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", slow_close)
+    closer = threading.Thread(target=let_go_and_close)
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not _mapping._under_way and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _mapping._under_way  # its close has begun
+
     def import_it() -> None:
         with _mapping._lock:
             _mapping._import(0, H1, 64, (H1, A, 0x1000, 64))
 
-    t = threading.Thread(target=import_it)
-    t.start()
+    importer = threading.Thread(target=import_it)
+    importer.start()
     time.sleep(0.3)
-    assert closes == [] and t.is_alive()
-    _mapping._close_now(m)  # that thread's close ends
+    assert closes == [] and importer.is_alive()
+    gate.set()  # the close ends
+    closer.join(10)
+    importer.join(10)
+    assert closes == ["close 0x1000", "open"] and not _mapping._closing and not _mapping._under_way
+
+
+def test_a_thread_closes_only_the_mappings_it_let_go(closes):
+    # Another thread's close, taken over by this one's open or release, made this one wait for the GPU.
+    import threading
+
+    t = threading.Thread(target=_let_go, args=(0x1000, (H1, B, 0x9000, 0x1000)))
+    t.start()
     t.join(10)
-    assert closes == ["close 0x1000", "open"] and not _mapping._closing
+    _mapping._close_pending()
+    assert closes == [] and len(_mapping._closing) == 1
+    _mapping.collect_idle()  # collect() closes every one
+    assert closes == ["close 0x1000"] and not _mapping._closing
+
+
+def test_a_close_interrupted_in_the_driver_call_leaves_the_table(closes, monkeypatch):
+    # Interrupted (Ctrl-C) with the mapping still in the table as being closed, an import colliding with it
+    # would wait for ever.
+    def interrupted(ptr, device):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", interrupted)
+    _let_go(0x1000, (H1, B, 0x9000, 0x1000))
+    with pytest.raises(KeyboardInterrupt):
+        _mapping._close_pending()
+    assert not _mapping._closing and not _mapping._under_way
+    with _mapping._lock:
+        assert _mapping._import(0, H1, 64, (H1, A, 0x1000, 64)).ptr == 0x5000
 
 
 def test_a_close_on_a_thread_with_no_context_makes_the_mappings_gpu_current_and_tries_again(monkeypatch):
