@@ -451,15 +451,7 @@ def close_ipc_mapping(ptr: int, device: int) -> None:
     holds the GIL all that time, which stopped every Python thread of the process. A ``ctypes`` call lets go
     of it; cuda-bindings, where libcuda does not load that way, does too.
     """
-    close = _ipc_close()
-    if close is None:
-        driver = _driver()
-        (err,) = driver.cuIpcCloseMemHandle(ptr)
-        if int(err) == _INVALID_CONTEXT:
-            with using_device(device, bind=True):
-                (err,) = driver.cuIpcCloseMemHandle(ptr)
-        check("closing the memory handle", err)
-        return
+    close = _ipc_close() or (lambda p: int(_driver().cuIpcCloseMemHandle(p)[0]))
     err = close(ptr)
     if err == _INVALID_CONTEXT:  # a thread that made no runtime call (the library's own)
         with using_device(device, bind=True):

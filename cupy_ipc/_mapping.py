@@ -216,22 +216,26 @@ def collect_idle() -> int:
 _closing: dict[int, _Mapping] = {}  # by id: let go, not closed yet
 _under_way: set[int] = set()  # of those, the ones a thread is closing
 _closed = threading.Condition(threading.Lock())  # guards both, notified after each close; never taken before _lock
-_let_go = threading.local()  # .mappings: the ones this thread let go, for it to close
+
+
+class _LetGo(threading.local):
+    def __init__(self) -> None:
+        self.mappings: list[_Mapping] = []  # the ones this thread let go, for it to close
+
+
+_let_go = _LetGo()
 
 
 def _close_later(m: _Mapping) -> None:
     """Have ``m``, a legacy import in neither table, closed once ``_lock`` (which the caller holds) is let go."""
     _closing[id(m)] = m
-    try:
-        _let_go.mappings.append(m)
-    except AttributeError:
-        _let_go.mappings = [m]
+    _let_go.mappings.append(m)
 
 
 def _close_pending() -> None:
     """Close the mappings this thread let go under ``_lock``, which it should no longer hold. (Another
     thread's are its own to close: closing them here would make this thread wait for the GPU.)"""
-    mine = getattr(_let_go, "mappings", None)
+    mine = _let_go.mappings
     while mine:
         m = mine.pop()
         _close_one(lambda c: c is m, wait=False)  # (unless an import closes it already)
