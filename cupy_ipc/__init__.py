@@ -67,7 +67,8 @@ def collect() -> None:
     """Free what is no longer needed, now.
 
     In a producer: end the pins of exports whose consumers are done. In a
-    consumer: unmap idle mappings, destroy cached producer events, and let
+    consumer: unmap idle mappings (and wait for the closes under way on the
+    library's thread), destroy cached producer events, and let
     go of the pools imported of which nothing is mapped any more.
 
     Example:

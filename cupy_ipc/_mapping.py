@@ -11,7 +11,8 @@ the lease is released:
 2. then the mapping loses a user and the producer's slot loses a claim; a
    claim's last release drops the in-use lock, which lets the producer reuse
    the memory;
-3. a mapping with no users is unmapped, unless the same allocation was
+3. a mapping with no users is unmapped (a legacy handle's on the closer
+   thread, since that close waits for the whole GPU), unless the same allocation was
    released here before (a buffer sent again): then it is kept idle for
    re-opening (up to :func:`set_idle_mapping_limit`) and unmapped when
    evicted or collected, or at the next import once its producer has
@@ -202,17 +203,25 @@ def collect_idle() -> int:
         while _idle:
             _discard_oldest()
     _close_pending()
-    while _close_one(lambda m: True, wait=True) is not None:  # the others', closed or waited for
-        pass
+    settle_closes()
     return n
 
 
+def settle_closes() -> None:
+    """Close every mapping let go and not closed yet (the closer thread's and other threads' too), or wait for
+    the threads closing them."""
+    while _close_one(lambda m: True, wait=True) is not None:
+        pass
+
+
 # --- closes outside the lock ----------------------------------------------------
-# A legacy handle's mapping let go under _lock is closed once the lock is released, by the thread that let it
-# go: the close waits until the whole GPU is idle (see _cuda.close_ipc_mapping), which must hold up neither
-# this process's other opens and releases nor, through their claims, the producers' memory. Until then an
-# import that collides with it closes it first, or waits for the thread closing it: the driver would hand
-# that import the mapping being closed.
+# A legacy handle's mapping let go under _lock is closed once the lock is released: the close waits until the
+# whole GPU is idle (see _cuda.close_ipc_mapping), which must hold up neither this process's other opens and
+# releases nor, through their claims, the producers' memory. The last user's release hands its mapping to the
+# closer thread (see _finish), so that the thread dropping an array does not wait either; an idle mapping that
+# an open or release evicts is closed by that thread (before it imports, if the import collides with it). Until
+# then an import that collides with it closes it first, or waits for the thread closing it: the driver would
+# hand that import the mapping being closed.
 _closing: dict[int, _Mapping] = {}  # by id: let go, not closed yet
 _under_way: set[int] = set()  # of those, the ones a thread is closing
 _closed = threading.Condition(threading.Lock())  # guards both, notified after each close; never taken before _lock
@@ -574,16 +583,18 @@ class Lease:
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:
     """One user of a mapping, and its claim, fewer (``released``: see :func:`_retire`).
 
-    A legacy handle's mapping is closed after its claim goes, and after the lock is released: closing one
+    A legacy handle's mapping is closed after its claim goes, on the library's closer thread: closing one
     waits until the whole GPU is idle (``cudaIpcCloseMemHandle`` does, as ``cudaFree`` does: measured on an
-    H200), which must keep neither the producer's memory from it nor this process's other opens and
-    releases waiting while this process's other streams work. The producer may then free and reuse the
-    allocation, which the mapping, whose last user is done, no longer reads; an open of the same handle
-    meanwhile waits for the close (see :func:`_close_later`).
+    H200), which must keep neither the producer's memory from it, nor this process's other opens and
+    releases, nor the thread that dropped the array waiting while this process's other streams work. The
+    producer may then free and reuse the allocation, which the mapping, whose last user is done, no longer
+    reads; an open of the same handle meanwhile closes it first, or waits for the close (see
+    :func:`_close_later`).
     """
+    unmapped = None
     try:
         with _lock:
-            kept, unmapped = False, None
+            kept = False
             try:
                 m = _active.get(mapping_key)
                 if m is not None:
@@ -596,10 +607,19 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
                         _unclaim(claim_key)
                 finally:
                     if unmapped is not None:
-                        _close_later(unmapped)
+                        _closing[id(unmapped)] = unmapped  # for the closer, or an import colliding with it
     finally:
-        if _closing:  # (what this thread let go is there until it is closed)
-            _close_pending()
+        try:
+            if unmapped is not None:
+                _reaper.soon(_close_let_go, unmapped)
+        finally:
+            if _closing:  # (what this thread let go is there until it is closed)
+                _close_pending()
+
+
+def _close_let_go(m: _Mapping) -> None:
+    """The closer thread's part of :func:`_finish`: close ``m`` (unless a colliding import closes it first)."""
+    _close_one(lambda c: c is m, wait=False)
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)

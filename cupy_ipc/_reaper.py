@@ -4,6 +4,10 @@
   without blocking the threads that use the library. Each wait has a thread
   to itself (up to eight wait at once), so that a release whose work takes
   long holds up no release behind it whose work is done.
+- A legacy handle's mapping that a release lets go is closed on a thread of
+  its own: the close waits until the whole GPU is idle, which would hold up
+  the thread that dropped the array (or the waiter whose release it was) as
+  long as any other work of the process's GPU runs.
 - Finalizers that the cyclic garbage collector runs hand their work there.
   The collector runs wherever an allocation sets it off, inside this
   library's locked regions too, on the thread holding the lock: run there, a
@@ -30,7 +34,7 @@ from typing import Any, Callable
 from . import _cuda
 from ._errors import warn_quietly
 
-__all__ = ["WHOLE_DEVICE", "collecting", "later", "now_or_later", "start"]
+__all__ = ["WHOLE_DEVICE", "collecting", "later", "now_or_later", "soon", "start"]
 
 # Made before anything that may hand work here exists: putting on a SimpleQueue is safe in a finalizer, where
 # taking a lock (to make one, or to start the thread) is not.
@@ -46,6 +50,9 @@ _count_lock = threading.Lock()
 _waiters = 0  # started
 _free = 0  # waiting for work that no other waiter will take
 _backlog = 0  # work handed over while every waiter was busy
+# The closer: one thread for work that waits for nothing but may take long (a close), in the order handed over.
+_closes: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+_closer_runs = False  # its thread runs
 
 
 def _note_collection(phase: str, info: dict[str, int]) -> None:
@@ -62,16 +69,20 @@ def collecting() -> bool:
 
 
 def start() -> None:
-    """Start the thread, if it is not running: before making anything whose finalizer may call :func:`later`."""
-    global _running
+    """Start the threads, if they are not running: before making anything whose finalizer may call
+    :func:`later` or :func:`soon`."""
+    global _running, _closer_runs
     if _note_collection not in gc.callbacks:  # (code that clears the list would silently undo the deferral)
         gc.callbacks.append(_note_collection)
-    if _running:
+    if _running and _closer_runs:
         return
     with _start_lock:
         if not _running:
             threading.Thread(target=_run, args=(_queue,), name="cupy_ipc-reaper", daemon=True).start()
             _running = True
+        if not _closer_runs:
+            threading.Thread(target=_close_all, args=(_closes,), name="cupy_ipc-closer", daemon=True).start()
+            _closer_runs = True
 
 
 class _WholeDevice:
@@ -90,6 +101,15 @@ def later(then: Callable[..., Any], *args: Any, after: Any = None, device: int =
     _queue.put((after, device, then, args))
 
 
+def soon(then: Callable[..., Any], *args: Any) -> None:
+    """Have the closer thread call ``then(*args)`` (after what was handed to it before); here and now if it
+    does not run (in a forked child). Safe in a finalizer."""
+    if _closer_runs:
+        _closes.put((then, args))
+    else:
+        then(*args)
+
+
 def now_or_later(then: Callable[..., Any], *args: Any) -> None:
     """A finalizer's work: ``then(*args)`` now, or on the thread if a garbage collection is running."""
     if _collecting:
@@ -102,6 +122,16 @@ def _run(q: "queue.SimpleQueue[Any]") -> None:
     # Only hands the work on: a finalizer may put work on the queue, but not start a thread.
     while True:
         _hand_to_a_waiter(q.get())
+
+
+def _close_all(q: "queue.SimpleQueue[Any]") -> None:
+    while True:
+        then, args = q.get()
+        try:
+            then(*args)
+        except BaseException as e:  # noqa: BLE001 - this thread serves every later close: it must not end
+            warn_quietly(f"could not close a mapping: {e!r}")
+        del then, args  # (what they hold goes now, not when the next close comes)
 
 
 def _hand_to_a_waiter(work: tuple[Any, ...]) -> None:
@@ -151,8 +181,9 @@ def _do(done: Any, device: int, then: Callable[..., Any], args: tuple[Any, ...])
 
 
 def _forget_after_fork() -> None:
-    global _queue, _running, _start_lock, _waits, _count_lock, _waiters, _free, _backlog
+    global _queue, _running, _start_lock, _waits, _count_lock, _waiters, _free, _backlog, _closes, _closer_runs
     _queue, _running, _start_lock = queue.SimpleQueue(), False, threading.Lock()  # the threads are the parent's
+    _closes, _closer_runs = queue.SimpleQueue(), False
     _waits, _count_lock, _waiters, _free, _backlog = queue.SimpleQueue(), threading.Lock(), 0, 0, 0
 
 

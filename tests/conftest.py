@@ -72,6 +72,16 @@ def _earlier_garbage_collected():
 
 
 @pytest.fixture(autouse=True)
+def _closes_done(monkeypatch):
+    """The mappings a test let go are closed before its stubs go (with ``monkeypatch``, which is torn down
+    after this): the closer thread would otherwise close them through the real driver, during a later test."""
+    yield
+    from cupy_ipc import _mapping
+
+    _mapping.settle_closes()
+
+
+@pytest.fixture(autouse=True)
 def _no_export_left_pinned(request: pytest.FixtureRequest):
     """A GPU test ends with every export it made in this process unpinned: one left behind would be counted by
     each later test that checks what is pinned, so it fails here, named, and is released. Set up first, so

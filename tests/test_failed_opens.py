@@ -86,6 +86,7 @@ def test_an_open_whose_import_fails_leaves_its_export_to_a_retry(opens, consumer
         _mapping.opened(lease)
         assert (own.opens(slot), _in_use(own, slot)) == (1, True)
         del lease  # released at once: its stream is idle
+        _mapping.settle_closes()  # (the mapping's close is the closer thread's)
         assert unmapped == [MAPPED_AT] and not _in_use(own, slot)
         _keepalive.sweep()
         # The retry was the one consumer; of two, the other is still awaited.
@@ -104,6 +105,7 @@ def test_an_open_that_fails_after_its_import_lets_go_of_it_at_once(opens, monkey
         _, lease = acquire(export_id, slot)
         assert _in_use(own, slot)
         _mapping.abandon(lease)
+        _mapping.settle_closes()  # (the mapping's close is the closer thread's)
         assert (own.opens(slot), _in_use(own, slot), unmapped) == (0, False, [MAPPED_AT])
         assert (this_process().token, slot) not in _mapping._claims
         released = []
@@ -243,6 +245,7 @@ def test_a_handle_whose_open_fails_after_its_claim_opens_on_a_retry(sender, step
     # Checked while the error, and with it the failed open's frames, is still held.
     assert failed.value is not None
     assert (producer.opens(0), _in_use(producer, 0)) == (0, False)
+    _mapping.settle_closes()  # (the mapping's close is the closer thread's)
     assert runtime.closed == ([] if step == "import" else [MAPPED_AT])  # what it mapped is unmapped
     assert not _mapping._idle
     runtime.failing = False
@@ -253,6 +256,7 @@ def test_a_handle_whose_open_fails_after_its_claim_opens_on_a_retry(sender, step
     del arr
     assert (producer.opens(0), _in_use(producer, 0)) == (1, False)
     # Released once: unmapped, not kept idle as a buffer sent again.
+    _mapping.settle_closes()
     assert runtime.closed[-1] == MAPPED_AT and not _mapping._idle
 
 

@@ -103,9 +103,10 @@ def test_an_array_dropped_off_its_openers_per_thread_stream_is_released_after_th
     assert waited < 4.0, f"released after {waited:.1f} s: it waited for the unrelated 6 s kernel"
 
 
-def test_a_mapping_closed_while_the_gpu_is_busy_holds_up_neither_other_threads_nor_their_opens(remote):
+def test_a_mapping_closed_while_the_gpu_is_busy_holds_up_no_thread_and_no_open(remote):
     """Closing a buffer's mapping waits until the consumer's whole GPU is idle. It used to hold the GIL all that
-    time (every thread of the consumer stopped), and the library's lock (every other open and release waited)."""
+    time (every thread of the consumer stopped), and the library's lock (every other open and release waited);
+    then the thread that dropped the array still waited in it."""
     import cupy
 
     import cupy_ipc
@@ -116,6 +117,7 @@ def test_a_mapping_closed_while_the_gpu_is_busy_holds_up_neither_other_threads_n
     t = consumer.call("drop_on_a_thread_while_busy", first, second, 3.0)
     assert t["closed"] > 2.0, f"the close did not wait for the GPU ({t['closed']:.2f} s): the check proves nothing"
     assert t["value"] == 3.0
+    assert t["dropped"] < 1.0, f"the thread that dropped the array waited for the close ({t['dropped']:.2f} s)"
     assert t["looped"] < 1.0, f"the other thread ran no Python while the close waited ({t['looped']:.2f} s)"
     assert t["second"] < 1.0, f"another open waited for the close ({t['second']:.2f} s)"
     deadline = time.monotonic() + 20

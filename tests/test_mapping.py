@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 
 import pytest
 
@@ -75,10 +76,12 @@ def producer(monkeypatch):
 
 
 def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, monkeypatch):
-    # The claim stayed held (the producer's memory pinned) until the consumer exited.
+    # The claim stayed held (the producer's memory pinned) until the consumer exited. (Closed on the releasing
+    # thread, as where the closer thread does not run.)
     import os
 
     token, own, view, held = producer
+    monkeypatch.setattr(_mapping._reaper, "_closer_runs", False)
 
     class Runtime:
         getDevice = staticmethod(lambda: 0)
@@ -124,6 +127,7 @@ def test_a_legacy_mapping_is_closed_after_its_claim_goes_and_a_pools_before(prod
         _mapping._active[("k",)] = m
     monkeypatch.setattr(_mapping._cuda, "using_device", lambda device, bind=False: contextlib.nullcontext())
     _mapping._finish(("k",), claim)
+    _mapping.settle_closes()  # (a legacy mapping's close is the closer thread's)
     assert seen == ([False] if kind == "legacy" else [True])
     assert not _mapping._claims and not held() and not _mapping._active
 
@@ -144,6 +148,7 @@ def test_an_open_interrupted_while_its_lease_is_made_lets_the_mapping_and_claim_
     with pytest.raises(KeyboardInterrupt):
         _mapping.acquire(("k",), 0, bytes(64), 64, None, None, view, token, os.getpid(), 9, 3, None, 0, 0,
                          importer, False)
+    _mapping.settle_closes()  # (the mapping's close is the closer thread's)
     assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
 
 
@@ -208,6 +213,7 @@ def test_a_legacy_mapping_is_closed_once_the_lock_is_let_go(producer, closes, mo
         m.users = 1
         _mapping._active[("k",)] = m
     _mapping._finish(("k",), claim)
+    _mapping.settle_closes()  # (the close is the closer thread's)
     assert free == [True]
     assert not _mapping._closing and not _mapping._under_way and not held()
 
@@ -261,6 +267,37 @@ def test_an_import_colliding_with_a_close_under_way_waits_for_it(closes, monkeyp
     closer.join(10)
     importer.join(10)
     assert closes == ["close 0x1000", "open"] and not _mapping._closing and not _mapping._under_way
+
+
+def test_a_release_hands_its_mappings_close_to_the_closer_thread(producer, closes, monkeypatch):
+    # The close waits until the whole GPU is idle: the thread that dropped the array waited as long.
+    import os
+    import threading
+
+    token, own, view, held = producer
+    gate, closing = threading.Event(), []
+
+    def slow_close(ptr, device):
+        closing.append(threading.current_thread().name)
+        gate.wait(10)
+        closes.append(f"close {ptr:#x}")
+
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", slow_close)
+    _mapping._reaper.start()
+    with _mapping._lock:
+        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
+        m = _mapping._Mapping(0x1000, 0, imported=True)
+        m.users = 1
+        _mapping._active[("k",)] = m
+    _mapping._finish(("k",), claim)  # returns with the close still to come, or under way
+    assert not held() and closes == []
+    deadline = time.monotonic() + 10
+    while not closing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closing == ["cupy_ipc-closer"]
+    gate.set()
+    _mapping.settle_closes()
+    assert closes == ["close 0x1000"] and not _mapping._closing and not _mapping._under_way
 
 
 def test_a_thread_closes_only_the_mappings_it_let_go(closes):

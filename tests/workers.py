@@ -332,14 +332,14 @@ def open_on_a_thread_then_drop(data: bytes, seconds: float, unrelated: float) ->
 
 def drop_on_a_thread_while_busy(first: bytes, second: bytes, unrelated: float) -> dict[str, float]:
     """Open ``first``, queue a kernel of ``unrelated`` seconds on a non-blocking stream, and drop the array on a
-    thread, whose release closes the mapping (a buffer sent once), a close that waits for that kernel. Meanwhile,
-    here: count Python loops for 0.2 s, then open ``second`` (read once the close is done). Returns when each
-    ended, in seconds from the drop, with the value read."""
+    thread, whose release lets the mapping go (a buffer sent once) to a close that waits for that kernel; that
+    thread then waits for the close. Meanwhile, here: count Python loops for 0.2 s, then open ``second`` (read
+    once the close is done). Returns when each ended, in seconds from the drop, with the value read."""
     import threading
 
     import cupy
 
-    from cupy_ipc import IpcArrayHandle
+    from cupy_ipc import IpcArrayHandle, _mapping
 
     warm_up()
     box = [IpcArrayHandle.from_bytes(first).open()]
@@ -351,7 +351,9 @@ def drop_on_a_thread_while_busy(first: bytes, second: bytes, unrelated: float) -
     def dropper() -> None:
         times["drop"] = time.monotonic()
         started.set()
-        box.clear()  # the last array: its release closes the mapping
+        box.clear()  # the last array: its release lets the mapping go
+        times["dropped"] = time.monotonic()
+        _mapping.settle_closes()  # the close, waited for
         times["closed"] = time.monotonic()
 
     t = threading.Thread(target=dropper)
@@ -464,6 +466,7 @@ def state() -> dict[str, Any]:
     from cupy_ipc import _events, _mapping, _pools
 
     cupy.cuda.runtime.deviceSynchronize()
+    _mapping.settle_closes()  # what was let go is closed on the library's thread, maybe still now
     return {
         **_mapping.counts(), "events": len(_events._opened), "fds": open_fds(), "segments": segments(),
         "free_mem": cupy.cuda.runtime.memGetInfo()[0], "pools": len(_pools._imports),
