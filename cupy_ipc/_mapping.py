@@ -611,7 +611,7 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
     finally:
         try:
             if unmapped is not None:
-                _reaper.soon(_close_let_go, unmapped)
+                _reaper.soon(_close_let_go, unmapped, device=unmapped.device)
         finally:
             if _closing:  # (what this thread let go is there until it is closed)
                 _close_pending()

@@ -101,11 +101,16 @@ def later(then: Callable[..., Any], *args: Any, after: Any = None, device: int =
     _queue.put((after, device, then, args))
 
 
-def soon(then: Callable[..., Any], *args: Any) -> None:
-    """Have the closer thread call ``then(*args)`` (after what was handed to it before); here and now if it
-    does not run (in a forked child). Safe in a finalizer."""
+def soon(then: Callable[..., Any], *args: Any, device: int | None = None) -> None:
+    """Have the closer thread call ``then(*args)`` (after what was handed to it before), with GPU ``device``, if
+    given, made current there first; here and now, on this thread's current GPU, if it does not run (in a
+    forked child). Safe in a finalizer.
+
+    The GPU is left current on that thread: it has none of its own to go back to, and going back to the
+    runtime's default, GPU 0, would make a context there in a process that never used GPU 0.
+    """
     if _closer_runs:
-        _closes.put((then, args))
+        _closes.put((then, args, device))
     else:
         then(*args)
 
@@ -126,8 +131,13 @@ def _run(q: "queue.SimpleQueue[Any]") -> None:
 
 def _close_all(q: "queue.SimpleQueue[Any]") -> None:
     while True:
-        then, args = q.get()
+        then, args, device = q.get()
         try:
+            if device is not None:
+                try:
+                    _cuda.rt().setDevice(device)
+                except Exception:  # noqa: BLE001, S110 - then the work fails too, and says so
+                    pass
             then(*args)
         except BaseException as e:  # noqa: BLE001 - this thread serves every later close: it must not end
             warn_quietly(f"could not close a mapping: {e!r}")

@@ -274,7 +274,7 @@ def test_a_release_hands_its_mappings_close_to_the_closer_thread(producer, close
     import os
     import threading
 
-    token, own, view, held = producer
+    token, _, view, held = producer
     gate, closing = threading.Event(), []
 
     def slow_close(ptr, device):
@@ -298,6 +298,43 @@ def test_a_release_hands_its_mappings_close_to_the_closer_thread(producer, close
     gate.set()
     _mapping.settle_closes()
     assert closes == ["close 0x1000"] and not _mapping._closing and not _mapping._under_way
+
+
+def test_the_closer_thread_makes_only_the_gpu_of_the_mapping_it_closes_current(producer, closes, monkeypatch):
+    # Going back to the thread's "previous" device after the close, the runtime's default GPU 0, would make a
+    # context there (cudaSetDevice does) in a process that never used GPU 0.
+    import os
+    import threading
+
+    devices: list[tuple[str, int]] = []
+
+    class Runtime:
+        current = 0  # a thread that made no runtime call reads GPU 0
+
+        def getDevice(self):
+            return self.current
+
+        def setDevice(self, device):
+            devices.append((threading.current_thread().name, device))
+            self.current = device
+
+    runtime = Runtime()
+    monkeypatch.setattr(_mapping._cuda, "rt", lambda: runtime)
+    monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping",
+                        lambda ptr, device: closes.append(f"close {ptr:#x} on GPU {runtime.current}"))
+    token, _, view, _ = producer
+    _mapping._reaper.start()
+    with _mapping._lock:
+        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
+        m = _mapping._Mapping(0x1000, 1, imported=True)  # of GPU 1
+        m.users = 1
+        _mapping._active[("of GPU 1",)] = m
+    _mapping._finish(("of GPU 1",), claim)  # its last user: sent once, closed
+    deadline = time.monotonic() + 10
+    while _mapping._closing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closes == ["close 0x1000 on GPU 1"]
+    assert devices == [("cupy_ipc-closer", 1)]
 
 
 def test_a_thread_closes_only_the_mappings_it_let_go(closes):
