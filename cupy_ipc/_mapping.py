@@ -262,7 +262,9 @@ def _close_one(wanted: Callable[[_Mapping], bool], wait: bool) -> bool | None:
     m = None
     try:
         with _closed:
-            candidates = [c for c in _closing.values() if wanted(c)]
+            # A copy, made in one step: a release or eviction of another thread adds to the table under _lock
+            # alone, and may do so while ``wanted`` runs.
+            candidates = [c for c in list(_closing.values()) if wanted(c)]
             if not candidates:
                 return None
             m = next((c for c in candidates if id(c) not in _under_way), None)

@@ -337,6 +337,22 @@ def test_the_closer_thread_makes_only_the_gpu_of_the_mapping_it_closes_current(p
     assert devices == [("cupy_ipc-closer", 1)]
 
 
+def test_a_close_looking_through_the_table_while_another_thread_adds_to_it_goes_on(closes):
+    # Releases and evictions add to the table under the library's lock only; the closer thread (or an import)
+    # looks through it meanwhile, and the table changing size under that loop raised RuntimeError.
+    first = _let_go(0x1000, (H1, B, 0x9000, 0x1000))
+
+    def wanted(m):
+        if m is first:
+            _let_go(0x2000, (H2, A, 0x1000, 0x1000))  # another thread's, at a switch inside the loop
+        return m is first
+
+    assert _mapping._close_one(wanted, wait=False) is True
+    assert closes == ["close 0x1000"] and [m.ptr for m in _mapping._closing.values()] == [0x2000]
+    _mapping.settle_closes()
+    assert closes == ["close 0x1000", "close 0x2000"]
+
+
 def test_a_thread_closes_only_the_mappings_it_let_go(closes):
     # Another thread's close, taken over by this one's open or release, made this one wait for the GPU.
     import threading
