@@ -246,8 +246,13 @@ def _close_pending() -> None:
     thread's are its own to close: closing them here would make this thread wait for the GPU.)"""
     mine = _let_go.mappings
     while mine:
-        m = mine.pop()
-        _close_one(lambda c: c is m, wait=False)  # (unless an import closes it already)
+        _close_let_go(mine.pop())
+
+
+def _close_let_go(m: _Mapping) -> None:
+    """Close ``m``, a mapping let go, unless another thread closes it or has (an import colliding with it):
+    the closer thread's part of :func:`_finish`, and :func:`_close_pending`'s."""
+    _close_one(lambda c: c is m, wait=False)
 
 
 def _close_one(wanted: Callable[[_Mapping], bool], wait: bool) -> bool | None:
@@ -617,11 +622,6 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
         finally:
             if _closing:  # (what this thread let go is there until it is closed)
                 _close_pending()
-
-
-def _close_let_go(m: _Mapping) -> None:
-    """The closer thread's part of :func:`_finish`: close ``m`` (unless a colliding import closes it first)."""
-    _close_one(lambda c: c is m, wait=False)
 
 
 _DEFAULT_STREAMS = (0, 1, 2)  # the legacy and per-thread default streams: of the current GPU (and thread)

@@ -75,12 +75,23 @@ def producer(monkeypatch):
     own.close(unlink=True)
 
 
+def _last_user(producer, device: int = 0, close=None) -> tuple[bytes, int]:
+    """Export 9 of ``producer`` claimed, and mapped under key ``("k",)`` on ``device`` with one user; the claim."""
+    import os
+
+    token, _, view, _ = producer
+    with _mapping._lock:
+        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
+        m = _mapping._Mapping(0x1000, device, imported=True, close=close)
+        m.users = 1
+        _mapping._active[("k",)] = m
+    return claim
+
+
 def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, monkeypatch):
     # The claim stayed held (the producer's memory pinned) until the consumer exited. (Closed on the releasing
     # thread, as where the closer thread does not run.)
-    import os
-
-    token, own, view, held = producer
+    held = producer[3]
     monkeypatch.setattr(_mapping._reaper, "_closer_runs", False)
 
     class Runtime:
@@ -91,11 +102,7 @@ def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, mo
 
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: Runtime().ipcCloseMemHandle(ptr))
-    with _mapping._lock:
-        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
-        m = _mapping._Mapping(0x1000, 0, imported=True)
-        m.users = 1
-        _mapping._active[("k",)] = m
+    claim = _last_user(producer)
     assert held()
     with pytest.raises(KeyboardInterrupt):
         _mapping._finish(("k",), claim)
@@ -106,9 +113,7 @@ def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, mo
 def test_a_legacy_mapping_is_closed_after_its_claim_goes_and_a_pools_before(producer, monkeypatch, kind):
     # Closing a legacy mapping waits until the whole GPU is idle (measured): while it waits, the producer must
     # have its memory back. A pool's import must be freed before the producer frees the memory (CUDA's rule).
-    import os
-
-    token, own, view, held = producer
+    held = producer[3]
     seen: list[bool] = []  # whether the claim was still held at each unmap
 
     class Runtime:
@@ -119,12 +124,7 @@ def test_a_legacy_mapping_is_closed_after_its_claim_goes_and_a_pools_before(prod
 
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: Runtime().ipcCloseMemHandle(ptr))
-    with _mapping._lock:
-        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
-        m = _mapping._Mapping(0x1000, 0, imported=True,
-                              close=(lambda ptr: seen.append(held())) if kind == "pool" else None)
-        m.users = 1
-        _mapping._active[("k",)] = m
+    claim = _last_user(producer, close=(lambda ptr: seen.append(held())) if kind == "pool" else None)
     monkeypatch.setattr(_mapping._cuda, "using_device", lambda device, bind=False: contextlib.nullcontext())
     _mapping._finish(("k",), claim)
     _mapping.settle_closes()  # (a legacy mapping's close is the closer thread's)
@@ -190,10 +190,9 @@ def _let_go(ptr: int, origin: _mapping.Origin, device: int = 0) -> _mapping._Map
 
 def test_a_legacy_mapping_is_closed_once_the_lock_is_let_go(producer, closes, monkeypatch):
     # The close waits until the GPU is idle: under the lock, every other open and release of the process waited.
-    import os
     import threading
 
-    token, own, view, held = producer
+    held = producer[3]
     free: list[bool] = []
 
     def take_the_lock() -> None:
@@ -207,11 +206,7 @@ def test_a_legacy_mapping_is_closed_once_the_lock_is_let_go(producer, closes, mo
         t.join(10)
 
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", close)
-    with _mapping._lock:
-        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
-        m = _mapping._Mapping(0x1000, 0, imported=True)
-        m.users = 1
-        _mapping._active[("k",)] = m
+    claim = _last_user(producer)
     _mapping._finish(("k",), claim)
     _mapping.settle_closes()  # (the close is the closer thread's)
     assert free == [True]
@@ -271,10 +266,9 @@ def test_an_import_colliding_with_a_close_under_way_waits_for_it(closes, monkeyp
 
 def test_a_release_hands_its_mappings_close_to_the_closer_thread(producer, closes, monkeypatch):
     # The close waits until the whole GPU is idle: the thread that dropped the array waited as long.
-    import os
     import threading
 
-    token, _, view, held = producer
+    held = producer[3]
     gate, closing = threading.Event(), []
 
     def slow_close(ptr, device):
@@ -284,11 +278,7 @@ def test_a_release_hands_its_mappings_close_to_the_closer_thread(producer, close
 
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", slow_close)
     _mapping._reaper.start()
-    with _mapping._lock:
-        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
-        m = _mapping._Mapping(0x1000, 0, imported=True)
-        m.users = 1
-        _mapping._active[("k",)] = m
+    claim = _last_user(producer)
     _mapping._finish(("k",), claim)  # returns with the close still to come, or under way
     assert not held() and closes == []
     deadline = time.monotonic() + 10
@@ -303,7 +293,6 @@ def test_a_release_hands_its_mappings_close_to_the_closer_thread(producer, close
 def test_the_closer_thread_makes_only_the_gpu_of_the_mapping_it_closes_current(producer, closes, monkeypatch):
     # Going back to the thread's "previous" device after the close, the runtime's default GPU 0, would make a
     # context there (cudaSetDevice does) in a process that never used GPU 0.
-    import os
     import threading
 
     devices: list[tuple[str, int]] = []
@@ -322,14 +311,9 @@ def test_the_closer_thread_makes_only_the_gpu_of_the_mapping_it_closes_current(p
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: runtime)
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping",
                         lambda ptr, device: closes.append(f"close {ptr:#x} on GPU {runtime.current}"))
-    token, _, view, _ = producer
     _mapping._reaper.start()
-    with _mapping._lock:
-        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
-        m = _mapping._Mapping(0x1000, 1, imported=True)  # of GPU 1
-        m.users = 1
-        _mapping._active[("of GPU 1",)] = m
-    _mapping._finish(("of GPU 1",), claim)  # its last user: sent once, closed
+    claim = _last_user(producer, device=1)
+    _mapping._finish(("k",), claim)  # its last user: sent once, closed
     deadline = time.monotonic() + 10
     while _mapping._closing and time.monotonic() < deadline:
         time.sleep(0.01)
