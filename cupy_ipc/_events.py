@@ -64,7 +64,7 @@ class IpcEvent:
             flags |= runtime.eventBlockingSync
         device = _cuda.current_device()
         ptr = _cuda.call("creating an interprocess event", runtime.eventCreateWithFlags, flags)
-        self._adopt(ptr, device, block, None, opened=False)
+        self._adopt(ptr, device, bool(block), None, opened=False)  # its handle's flags byte is 0 or 1
 
     @classmethod
     def _from_handle(cls, handle: "IpcEventHandle", ptr: int, device: int) -> "IpcEvent":

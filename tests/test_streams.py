@@ -444,3 +444,17 @@ def test_a_default_stream_naming_another_gpu_is_refused_where_the_handle_alone_w
     finally:
         ev._finalizer.detach()
 
+
+@pytest.mark.parametrize("block", [4, 0.5, "yes", 0])
+def test_an_events_handle_reads_back_whatever_value_set_its_blocking_flag(gpus, block):
+    # The event made blocking by any true value, not by True alone: the flag went on the wire as int(block),
+    # a flags byte the receiver refuses (4), a non-blocking event's 0 (0.5), or a ValueError in to_bytes().
+    import cupy_ipc
+
+    ev = cupy_ipc.IpcEvent(block=block)
+    try:
+        h = ev.get_ipc_handle()
+        assert cupy_ipc.IpcEventHandle.from_bytes(h.to_bytes()) == h
+        assert ev.block is h.block is bool(block)
+    finally:
+        ev._finalizer.detach()
