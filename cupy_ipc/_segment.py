@@ -39,8 +39,8 @@ from typing import Callable, Iterator
 
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 
-__all__ = ["Segment", "attach", "found_exited", "own_segment", "segment_path", "when_exited", "FREE", "PINNED",
-           "REVOKED", "ONE_CONSUMER", "READ", "WRITE"]
+__all__ = ["Segment", "attach", "found_exited", "own_segment", "remove_stale", "segment_path", "when_exited",
+           "FREE", "PINNED", "REVOKED", "ONE_CONSUMER", "READ", "WRITE"]
 
 FREE, PINNED, REVOKED = 0, 1, 2
 STATE = 0xFF  # the state's bits of a record's state field
@@ -59,13 +59,56 @@ _ALIVE_QUERY = _FLOCK.pack(WRITE, os.SEEK_SET, ALIVE, 1, 0)  # held_by_other(ALI
 _OFD = hasattr(fcntl, "F_OFD_SETLK")
 
 
+_PREFIX = "cupy_ipc-"
+_NEW = ".new"  # a segment's file while it is set up
+
+
 def _dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 def segment_path(token: bytes) -> str:
     """Where the producer with ``token`` keeps its segment."""
-    return os.path.join(_dir(), f"cupy_ipc-{token.hex()}")
+    return os.path.join(_dir(), f"{_PREFIX}{token.hex()}")
+
+
+def remove_stale() -> int:
+    """Remove the segments of producers that died without removing theirs; returns how many went.
+
+    A producer removes its segment at exit, and a consumer removes one it
+    finds dead, but when producer and consumers are all killed (a job
+    cancelled, the out-of-memory killer) the file stays: in a container's
+    small ``/dev/shm``, enough of them would leave no room for new ones. A
+    file under a segment's name whose liveness lock nobody holds is such a
+    leftover (see :meth:`Segment.create`). Files of other users cannot be
+    opened here, and stay.
+
+    Example:
+        >>> import secrets
+        >>> Segment.create(secrets.token_bytes(16)).close()   # its producer "died": the file stays
+        >>> remove_stale() >= 1
+        True
+    """
+    directory = _dir()
+    removed = 0
+    for entry in os.scandir(directory):
+        name = entry.name
+        if not (name.startswith(_PREFIX) and len(name) == len(_PREFIX) + 32):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # another user's, or gone meanwhile
+            continue
+        try:
+            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _ALIVE_QUERY)
+            if _FLOCK.unpack(got)[0] == _UNLOCK:
+                os.unlink(entry.path)
+                removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def in_use(slot: int) -> int:
@@ -104,16 +147,24 @@ class Segment:
         if not _OFD:
             raise IpcError("cupy_ipc needs Linux open-file-description locks (F_OFD_SETLK)")
         path = segment_path(token)
+        # Set up under another name, and given its own once its liveness lock is held: a file under a
+        # segment's name without that lock is then always one whose producer has gone (see remove_stale).
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(path + _NEW, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise IpcError(f"cannot create the segment {path}: {e.strerror}") from e
-        seg = cls(fd, token, path, owner=True)
+        seg = cls(fd, token, path + _NEW, owner=True)
         # Unlinked if this fails, or every later export would find the file there and fail.
         with seg._closed_on_failure(f"set up the segment {path}", unlink=True):
             seg.lock(ALIVE, READ)
             seg._grow(_DATA_START + _INITIAL_SLOTS * _RECORD.size)
             seg._remap()
+            try:
+                os.link(seg.path, path)  # (a rename would replace a segment already there)
+            except FileExistsError as e:
+                raise IpcError(f"cannot create the segment {path}: {e.strerror}") from e
+            seg.path = path
+            os.unlink(path + _NEW)
         return seg
 
     @contextlib.contextmanager
@@ -356,6 +407,10 @@ def own_segment(token: bytes) -> Segment:
                     _own = seg
                 finally:
                     _making = None
+                try:  # once a process, with ours in place: the leftovers of killed producers go
+                    remove_stale()
+                except OSError:
+                    pass
     if _own.fd < 0:
         raise IpcError("this process is exiting, and no longer shares memory or events")
     return _own
@@ -454,11 +509,12 @@ def _forget_after_fork() -> None:
 
 
 def _close_copies_of(path: str) -> None:
-    """Close this process's descriptors of the file at ``path``."""
+    """Close this process's descriptors of the file at ``path`` (or of a segment's there, set up under its
+    other name: see :meth:`Segment.create`)."""
     target = os.path.realpath(path)
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}") == target:
+            if os.readlink(f"/proc/self/fd/{name}") in (target, target + _NEW):
                 os.close(int(name))
         except OSError:  # closed meanwhile, or the listing's own descriptor
             pass

@@ -66,6 +66,10 @@ def _attach_and_hold_in_use(token, parent_pid, slot, ready):
     _idle_until_orphaned()
 
 
+def _make_own_segment(token):
+    _segment.own_segment(token)
+
+
 def _attach_and_write(token, parent_pid, slot, export_id, state, opens):
     seg = Segment.attach(token, pid=parent_pid)
     seg.write(slot, export_id, state, opens)
@@ -175,6 +179,55 @@ def test_what_is_kept_of_a_producer_is_let_go_when_it_is_found_exited(token, sta
     with pytest.warns(RuntimeWarning, match="exited producer: boom"), pytest.raises(ProducerExitedError):
         _segment.attach(token, p.pid)
     assert told == [token]
+
+
+def test_segments_of_producers_killed_unseen_are_removed_by_the_next_producer(token, start):
+    # Producer and consumers all killed (a job cancelled): nobody was left to find the producer gone, and its
+    # file stayed in /dev/shm for good. The next process to export removes it.
+    p = start(_create_and_hold, token)
+    kill(p)
+    assert os.path.exists(segment_path(token))
+    q = start(_make_own_segment, secrets.token_bytes(16), ready=False)
+    q.join(JOIN_TIMEOUT)
+    assert q.exitcode == 0
+    assert not os.path.exists(segment_path(token))
+
+
+def test_only_segments_nobody_holds_alive_are_removed_as_stale(token):
+    live = Segment.create(token)
+    dead_token = secrets.token_bytes(16)
+    Segment.create(dead_token).close()  # its producer "died": the file stays, unlocked
+    other = segment_path(secrets.token_bytes(16)) + "-not-a-segment"
+    with open(other, "w"):
+        pass
+    try:
+        assert _segment.remove_stale() >= 1
+        assert not os.path.exists(segment_path(dead_token))
+        assert os.path.exists(segment_path(token)) and os.path.exists(other)
+        assert Segment.attach(token, pid=os.getpid()).producer_alive()
+    finally:
+        live.close(unlink=True)
+        os.unlink(other)
+
+
+def test_a_segment_being_set_up_is_never_taken_for_a_stale_one(token, monkeypatch):
+    # Between the file's creation and its lock of liveness, another producer's look for stale segments would
+    # have removed it, and this producer's consumers would have found it gone: it gets its name only once
+    # locked.
+    real_lock = Segment.lock
+
+    def lock(self, offset, kind, **kwargs):
+        if offset == ALIVE:
+            _segment.remove_stale()
+        return real_lock(self, offset, kind, **kwargs)
+
+    monkeypatch.setattr(Segment, "lock", lock)
+    seg = Segment.create(token)
+    try:
+        assert Segment.attach(token, pid=os.getpid()).producer_alive()
+        assert not os.path.exists(segment_path(token) + _segment._NEW)
+    finally:
+        seg.close(unlink=True)
 
 
 def test_attach_to_missing_segment_raises_producer_exited(token):
@@ -627,7 +680,9 @@ def test_a_fork_while_the_segment_is_created_leaves_the_child_none_of_it(token, 
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        held = [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == path]
+        # (Under either of its names: it is set up under another and then given its own.)
+        held = [fd for fd in os.listdir("/proc/self/fd")
+                if os.path.realpath(f"/proc/self/fd/{fd}") in (path, path + _segment._NEW)]
         os.write(w, str(len(held)).encode())
         os._exit(0)
     os.close(w)
