@@ -18,6 +18,7 @@ STEPS = SUITE.parent / "steps.py"
 PAIRED = SUITE.parent / "paired.py"
 FLOOR = SUITE.parent / "floor.py"
 PRIMITIVES = SUITE.parent / "primitives.py"
+WAKE = SUITE.parent / "wake.py"
 
 
 def _benchmark_module(name):
@@ -39,6 +40,14 @@ def test_an_unknown_suite_step_is_refused_before_anything_runs():
     r = subprocess.run([sys.executable, str(SUITE), "--only", "peer_matrix,all-gather"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "unknown step(s) all-gather: choose from roundtrip," in r.stderr
+
+
+def test_the_wake_timer_reports_every_case_it_was_given():
+    r = subprocess.run([sys.executable, str(WAKE), "--busy", "0,50", "--idle", "0,100", "--iters", "20"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|")[1:3] for line in r.stdout.splitlines()[2:]]
+    assert [(b.strip(), i.strip()) for b, i in rows] == [("0", "0"), ("0", "100"), ("50", "0"), ("50", "100")]
 
 
 def test_without_a_gpu_the_step_timer_says_so():
