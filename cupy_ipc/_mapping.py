@@ -599,8 +599,10 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
     :func:`_close_later`).
     """
     unmapped = None
+    begun = False
     try:
         with _lock:
+            begun = True
             kept = False
             try:
                 m = _active.get(mapping_key)
@@ -615,6 +617,10 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
                 finally:
                     if unmapped is not None:
                         _closing[id(unmapped)] = unmapped  # for the closer, or an import colliding with it
+    except BaseException:
+        if not begun:  # Ctrl-C while another thread held the lock (an import, for a close): nothing let go yet
+            _reaper.later(_finish, mapping_key, claim_key, released)
+        raise
     finally:
         try:
             if unmapped is not None:

@@ -7,6 +7,7 @@ import contextlib
 import time
 
 import pytest
+from test_keepalive import _eventually
 
 from cupy_ipc import _mapping
 
@@ -107,6 +108,39 @@ def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, mo
     with pytest.raises(KeyboardInterrupt):
         _mapping._finish(("k",), claim)
     assert not _mapping._claims and not held()
+
+
+def test_a_release_interrupted_waiting_for_the_lock_is_finished_on_the_librarys_thread(producer, monkeypatch):
+    # Another thread holds the lock as long as its import waits for a close (until the GPU is idle, measured):
+    # Ctrl-C meanwhile left the claim held (the producer's memory pinned) and the mapping in use until exit.
+    import signal
+    import threading
+
+    held = producer[3]
+    monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: None)
+    claim = _last_user(producer)
+    locked, done = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with _mapping._lock:
+            locked.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert locked.wait(10)
+    _mapping._reaper.start()
+    ctrl_c = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _mapping._finish(("k",), claim)
+    finally:
+        done.set()
+        holder.join(10)
+        ctrl_c.join(10)
+    assert _eventually(lambda: not _mapping._claims)
+    assert not held() and not _mapping._active
 
 
 @pytest.mark.parametrize("kind", ["legacy", "pool"])
