@@ -155,14 +155,15 @@ def _hand_to_a_waiter(work: tuple[Any, ...]) -> None:
             start = True
         else:
             _backlog += 1
-    _waits.put(work)
     if start:
         try:
             threading.Thread(target=_wait, args=(_waits,), name=f"cupy_ipc-reaper-{_waiters}", daemon=True).start()
         except RuntimeError:  # no new thread (the interpreter is shutting down, say): done here
             with _count_lock:
                 _waiters -= 1
-            _do(*_waits.get())
+            _do(*work)  # (not queued: a waiter freed meanwhile would take it, and this thread wait for ever)
+            return
+    _waits.put(work)
 
 
 def _wait(q: "queue.SimpleQueue[Any]") -> None:

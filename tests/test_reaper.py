@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 from test_keepalive import _eventually
@@ -131,3 +132,39 @@ def test_a_release_whose_work_takes_long_holds_up_no_release_behind_it(monkeypat
     finally:
         gate.set()
     assert _eventually(lambda: len(ran) == _reaper._MAX_WAITERS)
+
+
+def test_work_that_no_new_waiter_can_take_is_done_by_the_thread_handing_it_over(monkeypatch):
+    # Where no thread can be started (at the process's thread limit, say), the work is done where it is handed
+    # over. It was taken back from the waiters' queue, where a waiter freed meanwhile took it first: the thread
+    # handing work over then waited for ever for work that only it hands over, and every later release too.
+    import queue
+    import types
+
+    waits = queue.SimpleQueue()
+    monkeypatch.setattr(_reaper, "_waits", waits)
+    monkeypatch.setattr(_reaper, "_count_lock", threading.Lock())
+    monkeypatch.setattr(_reaper, "_waiters", 1)
+    monkeypatch.setattr(_reaper, "_free", 0)
+    monkeypatch.setattr(_reaper, "_backlog", 0)
+    busy = threading.Event()
+    waits.put((None, 0, busy.wait, (10,)))  # the one waiter's work, under way
+    threading.Thread(target=_reaper._wait, args=(waits,), daemon=True).start()
+
+    class Unstartable:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            busy.set()  # the waiter is done meanwhile, and waits for more
+            assert _eventually(lambda: _reaper._free)
+            time.sleep(0.2)  # (for it to take the work, if the work was queued)
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_reaper, "threading", types.SimpleNamespace(Thread=Unstartable))
+    ran: list[str] = []
+    handing = threading.Thread(target=_reaper._hand_to_a_waiter, args=((None, 0, ran.append, ("handed",)),),
+                               daemon=True)
+    handing.start()
+    handing.join(5)
+    assert not handing.is_alive() and ran == ["handed"]
