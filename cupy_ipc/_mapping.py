@@ -566,7 +566,6 @@ class Lease:
                  stream: Any, device: int, mapping: _Mapping, memory_handle: bytes, allocation_size: int,
                  memory_device: int) -> None:
         self.keep = keep  # the producer's own array, when opened in its own process
-        self.mapping_key = mapping_key
         self.claim_key = claim_key
         self.stream = stream  # where the consumer's work on the memory is ordered
         self.device = device  # the stream's
@@ -576,6 +575,7 @@ class Lease:
         self.allocation_size = allocation_size
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
         self.opener = _threads.mark()  # whose per-thread default stream ``stream`` is, if it is one
+        self.mapping_key = mapping_key  # last: a lease interrupted before it was made is let go by acquire alone
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:
         # (None: abandoned, already let go; unset: interrupted while it was made, let go by acquire)
@@ -584,7 +584,7 @@ class Lease:
         if _fork.forked_after_cuda():  # an array inherited by a forked child: its CUDA calls would crash or hang
             return
         _release(self.mapping_key, self.claim_key, self.stream, self.device, _reaper.collecting(),
-                 opener=getattr(self, "opener", None))
+                 opener=self.opener)
 
 
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:

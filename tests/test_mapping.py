@@ -186,6 +186,41 @@ def test_an_open_interrupted_while_its_lease_is_made_lets_the_mapping_and_claim_
     assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
 
 
+def test_an_open_interrupted_late_in_making_its_lease_lets_go_of_it_once(producer, monkeypatch):
+    # Interrupted once the lease named its mapping, the open let the mapping and claim go, and so did the lease
+    # when collected: another open's array, which shared them, lost them (its mapping closed, and the producer
+    # free to reuse the memory).
+    import gc
+    import os
+
+    token, own, view, held = producer
+    unmapped = []
+    monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: unmapped.append(m.ptr))
+    monkeypatch.setattr(_mapping, "_checked", lambda m, *size: m)  # (the driver's mapped size)
+    monkeypatch.setattr(_mapping._cuda, "stream_idle", lambda ptr: True)
+    monkeypatch.setattr(_mapping._reaper, "collecting", lambda: False)  # (released where collected)
+
+    class Stream:
+        ptr = 0x5EED  # not a default stream
+
+    def acquire() -> _mapping.Lease:
+        return _mapping.acquire(("k",), 0, bytes(64), 64, None, None, view, token, os.getpid(), 9, 3, Stream(), 0,
+                                0, (lambda: 0x2000, None, 0), False)[1]
+
+    def interrupted() -> object:
+        raise KeyboardInterrupt
+
+    in_use = acquire()
+    monkeypatch.setattr(_mapping._threads, "mark", interrupted)  # the lease's last step
+    with pytest.raises(KeyboardInterrupt):
+        acquire()
+    gc.collect()  # (the half-made lease, which the traceback held)
+    assert _mapping._active[("k",)].users == 1 and _mapping._claims[(token, 3)].count == 1 and held()
+    del in_use
+    _mapping.settle_closes()  # (the mapping's close is the closer thread's)
+    assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
+
+
 def test_a_lease_interrupted_while_it_was_made_is_finalized_quietly():
     lease = _mapping.Lease.__new__(_mapping.Lease)  # no slot set: __del__ raised AttributeError
     lease.__del__()
