@@ -587,6 +587,9 @@ class Lease:
                  opener=self.opener)
 
 
+_new = object.__new__
+
+
 def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, released: bool = True) -> None:
     """One user of a mapping, and its claim, fewer (``released``: see :func:`_retire`).
 
@@ -708,10 +711,16 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
                 finally:
                     _unclaim(claim_key)
                 raise
+            lease = None
             try:
-                lease = Lease(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
-                              memory_device)
-            except BaseException:  # interrupted: no lease will let the mapping and claim go
+                # Bound before it is made, so that an interrupt at any step, also just after the lease is made,
+                # finds it here: then the lease releases nothing, and the mapping and claim go once.
+                lease = _new(Lease)
+                lease.__init__(keep, key, claim_key, stream, stream_device, m, memory_handle, allocation_size,
+                               memory_device)
+            except BaseException:
+                if lease is not None:
+                    lease.mapping_key = None
                 _finish(key, claim_key, released=False)
                 raise
         return m.ptr, lease

@@ -175,7 +175,7 @@ def test_an_open_interrupted_while_its_lease_is_made_lets_the_mapping_and_claim_
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_mapping, "Lease", interrupted)
+    monkeypatch.setattr(_mapping.Lease, "__init__", interrupted)
     monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: unmapped.append(m.ptr))
     monkeypatch.setattr(_mapping, "_checked", lambda m, *size: m)  # (the driver's mapped size)
     importer = (lambda: 0x2000, None, 0)
@@ -218,6 +218,43 @@ def test_an_open_interrupted_late_in_making_its_lease_lets_go_of_it_once(produce
     assert _mapping._active[("k",)].users == 1 and _mapping._claims[(token, 3)].count == 1 and held()
     del in_use
     _mapping.settle_closes()  # (the mapping's close is the closer thread's)
+    assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
+
+
+def test_an_open_interrupted_just_after_its_lease_was_made_lets_go_of_it_once(producer, monkeypatch):
+    # The same, interrupted once the lease was whole (at the check for interrupts after its making): the open
+    # let the mapping and claim go, and the lease too, when collected.
+    import gc
+    import os
+
+    token, own, view, held = producer
+    unmapped = []
+    monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: unmapped.append(m.ptr))
+    monkeypatch.setattr(_mapping, "_checked", lambda m, *size: m)
+    monkeypatch.setattr(_mapping._cuda, "stream_idle", lambda ptr: True)
+    monkeypatch.setattr(_mapping._reaper, "collecting", lambda: False)
+
+    class Stream:
+        ptr = 0x5EED
+
+    def acquire() -> _mapping.Lease:
+        return _mapping.acquire(("k",), 0, bytes(64), 64, None, None, view, token, os.getpid(), 9, 3, Stream(), 0,
+                                0, (lambda: 0x2000, None, 0), False)[1]
+
+    in_use = acquire()
+    made = _mapping.Lease.__init__
+
+    def made_then_interrupted(self, *args):
+        made(self, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping.Lease, "__init__", made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        acquire()
+    gc.collect()  # (the whole lease, which the traceback held)
+    assert _mapping._active[("k",)].users == 1 and _mapping._claims[(token, 3)].count == 1 and held()
+    del in_use
+    _mapping.settle_closes()
     assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
 
 
