@@ -602,12 +602,10 @@ def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
         seg = _segment.attach(producer.token, producer.pid)  # ProducerExitedError if it has gone
         stream = current_stream()
         last_try = claimed is not None
-        if last_try:
-            claimed[0] = True  # type: ignore[index]
         ptr, lease = _mapping.acquire(
             (device, Kind.LEGACY, f.memory_handle, producer.token, f.buffer_id), device, f.memory_handle,
             f.allocation_size, None, None, seg, producer.token, producer.pid, f.export_id, f.slot, stream, device,
-            device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size), last_try)
+            device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size), claimed)
         try:
             if f.flags & FLAG_EVENT:
                 ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it
@@ -896,8 +894,8 @@ class IpcArrayHandle:
             raise
 
     def _open_once(self, stream: Any, device: int | None, copy: bool, claimed: list[bool] | None) -> Any:
-        """:meth:`_open`. ``claimed``, given for an open that is not retried (``last_try``), is set just before
-        the open claims the export (:func:`_mapping.acquire`), which counts any failure from there on."""
+        """:meth:`_open`. ``claimed``, given for an open that is not retried (``last_try``), is set once the
+        open has claimed the export (by :func:`_mapping.acquire`), which counts any failure from there on."""
         import cupy
 
         _fork.check()
@@ -1025,12 +1023,10 @@ class IpcArrayHandle:
             # producer slow to answer must not hold up the opens and releases of this process's other arrays.
             self._adopt_descriptors(list(self._take_fds() or ()))
         last_try = claimed is not None
-        if last_try:
-            claimed[0] = True  # type: ignore[index]
         ptr, lease = _mapping.acquire(
             key, map_device, f.memory_handle, f.allocation_size, own_ptr, keep, seg, producer.token,
             producer.pid, f.export_id, f.slot, stream_obj, stream_device, home, importer,
-            f.kind == Kind.POOL, origin, last_try,
+            f.kind == Kind.POOL, origin, claimed,
         )
         try:
             if f.flags & FLAG_EVENT:

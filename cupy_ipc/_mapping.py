@@ -680,14 +680,16 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
             own_ptr: int | None, keep: Any, segment: _segment.Segment | None, producer_token: bytes,
             producer_pid: int, export_id: int, slot: int, stream: Any, stream_device: int, memory_device: int,
             importer: "Importer | None", hold_claim: bool, origin: Origin | None = None,
-            last_try: bool = False) -> tuple[int, Lease]:
+            claimed: list[bool] | None = None) -> tuple[int, Lease]:
     """Claim the export, map its allocation on ``device`` (the current GPU); returns ``(pointer, lease)``.
 
     The open is not counted yet: once it has succeeded the caller passes the
     lease to :func:`opened`, and if it fails after this, to :func:`abandon`.
-    If this raises, it has let go of what it took; with ``last_try`` (an
-    open that will not be retried, such as a message's) its claim is counted
-    first, so that the producer does not wait for it.
+    If this raises, it has let go of what it took. ``claimed``, given for an
+    open that will not be retried (a message's), is set once the export is
+    claimed: from then on a failure counts the open (here, or the caller's
+    abandon), so that the producer does not wait for it; before (interrupted
+    while another thread held the lock, say), the caller counts it.
 
     ``segment`` is the producer's (already checked alive). The lease must own
     the memory built on the pointer; ``stream`` (of ``stream_device``) is
@@ -702,11 +704,13 @@ def acquire(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_
     try:
         with _lock:
             claim_key = _claim(segment, producer_token, producer_pid, export_id, slot) if export_id else None
+            if claimed is not None:
+                claimed[0] = True
             try:
                 m = _map(key, device, memory_handle, allocation_size, own_ptr, importer, hold_claim, segment, origin)
             except BaseException:
                 try:
-                    if last_try:
+                    if claimed is not None:
                         _count(claim_key)
                 finally:
                     _unclaim(claim_key)
