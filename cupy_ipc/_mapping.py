@@ -281,11 +281,26 @@ def _close_one(wanted: Callable[[_Mapping], bool], wait: bool) -> bool | None:
         m.unmap()
         return True
     finally:
-        if m is not None:
+        if m is not None and id(m) in _under_way:  # (only this thread marks ``m``, or unmarks it)
+            _settle(m)
+
+
+def _settle(m: _Mapping) -> None:
+    """Take ``m``, which this thread marked under way, out of the tables of closes, and wake the threads waiting
+    for it. Interrupted (Ctrl-C) meanwhile, it finishes first, then raises: left marked, the mapping would
+    make every import that collides with it wait for ever, holding the library's lock."""
+    interrupt = None
+    while True:
+        try:
             with _closed:
                 _under_way.discard(id(m))
                 _closing.pop(id(m), None)
                 _closed.notify_all()
+            break
+        except KeyboardInterrupt as e:  # (each step can be done again)
+            interrupt = e
+    if interrupt is not None:
+        raise interrupt
 
 
 def _collides(m: _Mapping, device: int, origin: Origin | None) -> bool:

@@ -443,6 +443,61 @@ def test_a_close_looking_through_the_table_while_another_thread_adds_to_it_goes_
     assert closes == ["close 0x1000", "close 0x2000"]
 
 
+class _Interrupting:
+    """``_closed`` (a condition) whose ``with`` is interrupted (Ctrl-C) at its ``nth`` entry."""
+
+    def __init__(self, cond, nth):
+        self.cond, self.nth, self.entries = cond, nth, 0
+
+    def __enter__(self):
+        self.entries += 1
+        if self.entries == self.nth:
+            raise KeyboardInterrupt
+        return self.cond.__enter__()
+
+    def __exit__(self, *exc):
+        return self.cond.__exit__(*exc)
+
+    def wait(self, timeout):
+        return self.cond.wait(timeout)
+
+    def notify_all(self):
+        self.cond.notify_all()
+
+
+def test_a_close_interrupted_as_it_leaves_the_table_leaves_it_all_the_same(closes, monkeypatch):
+    # Interrupted (Ctrl-C) while it took the mapping out of the table, which another thread held for a moment,
+    # the close left it marked as being closed: every import colliding with it then waited for ever.
+    import threading
+
+    monkeypatch.setattr(_mapping, "_closed", _Interrupting(_mapping._closed, nth=2))
+    _let_go(0x1000, (H1, B, 0x9000, 0x1000))
+    with pytest.raises(KeyboardInterrupt):
+        _mapping._close_pending()
+    assert closes == ["close 0x1000"] and not _mapping._closing and not _mapping._under_way
+    t = threading.Thread(target=_mapping.settle_closes, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_a_close_interrupted_before_it_marked_its_mapping_leaves_it_to_the_next(closes, monkeypatch):
+    # Interrupted (Ctrl-C) before it marked the mapping as being closed, the close took it out of the table all
+    # the same: never closed, it stayed mapped until exit.
+    class InterruptedMark(set):
+        def add(self, item):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping, "_under_way", InterruptedMark())
+    _let_go(0x1000, (H1, B, 0x9000, 0x1000))
+    with pytest.raises(KeyboardInterrupt):
+        _mapping._close_pending()
+    assert closes == [] and len(_mapping._closing) == 1
+    monkeypatch.setattr(_mapping, "_under_way", set())
+    _mapping.settle_closes()
+    assert closes == ["close 0x1000"] and not _mapping._closing
+
+
 def test_a_thread_closes_only_the_mappings_it_let_go(closes):
     # Another thread's close, taken over by this one's open or release, made this one wait for the GPU.
     import threading
