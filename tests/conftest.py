@@ -106,6 +106,41 @@ def _no_export_left_pinned(request: pytest.FixtureRequest):
 
 
 @pytest.fixture
+def ctrl_c_while_locked():
+    """A context manager whose block must be interrupted (``KeyboardInterrupt``): another thread holds the
+    library's lock for 0.6 s, as an import does while it waits for a close, and SIGINT (Ctrl-C) comes to the
+    main thread 0.2 s in, while the block waits for that lock."""
+    import contextlib
+    import signal
+    import threading
+
+    from cupy_ipc import _mapping
+
+    @contextlib.contextmanager
+    def interrupted():
+        locked = threading.Event()
+
+        def hold_the_lock_a_while() -> None:
+            with _mapping._lock:
+                locked.set()
+                time.sleep(0.6)
+
+        holder = threading.Thread(target=hold_the_lock_a_while)
+        holder.start()
+        assert locked.wait(10)
+        ctrl_c = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        ctrl_c.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                yield
+        finally:
+            holder.join(10)
+            ctrl_c.join(10)
+
+    return interrupted
+
+
+@pytest.fixture
 def remote():
     """Start helper processes (spawn) that run functions of ``workers`` on request."""
     from workers import Remote

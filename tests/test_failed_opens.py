@@ -10,7 +10,6 @@ import gc
 import os
 import secrets
 import sys
-import time
 
 import pytest
 
@@ -291,32 +290,13 @@ def test_a_message_whose_open_fails_before_its_claim_counts_too(sender, monkeypa
     assert producer.opens(0) == 1
 
 
-def test_a_message_whose_open_is_interrupted_before_its_claim_counts_too(sender):
+def test_a_message_whose_open_is_interrupted_before_its_claim_counts_too(sender, ctrl_c_while_locked):
     # Ctrl-C while the open waited for the library's lock (another thread's import holds it while it waits for a
     # close): the open counted as claimed though it had claimed nothing, so nothing counted it, and the message
     # left the producer's memory pinned for the life of the producer.
-    import signal
-    import threading
-
     handle, producer, runtime, event_errors = sender
-    locked = threading.Event()
-
-    def hold_the_lock_a_while() -> None:
-        with _mapping._lock:
-            locked.set()
-            time.sleep(0.6)
-
-    holder = threading.Thread(target=hold_the_lock_a_while)
-    holder.start()
-    assert locked.wait(10)
-    ctrl_c = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-    ctrl_c.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            handle._open(last_try=True)
-    finally:
-        holder.join(10)
-        ctrl_c.join(10)
+    with ctrl_c_while_locked():
+        handle._open(last_try=True)
     assert (producer.opens(0), _in_use(producer, 0)) == (1, False)
     assert not _mapping._claims
 

@@ -110,35 +110,16 @@ def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, mo
     assert not _mapping._claims and not held()
 
 
-def test_a_release_interrupted_waiting_for_the_lock_is_finished_on_the_librarys_thread(producer, monkeypatch):
+def test_a_release_interrupted_waiting_for_the_lock_is_finished_on_the_librarys_thread(producer, monkeypatch,
+                                                                                      ctrl_c_while_locked):
     # Another thread holds the lock as long as its import waits for a close (until the GPU is idle, measured):
     # Ctrl-C meanwhile left the claim held (the producer's memory pinned) and the mapping in use until exit.
-    import signal
-    import threading
-
     held = producer[3]
     monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: None)
     claim = _last_user(producer)
-    locked, done = threading.Event(), threading.Event()
-
-    def hold_the_lock() -> None:
-        with _mapping._lock:
-            locked.set()
-            done.wait(10)
-
-    holder = threading.Thread(target=hold_the_lock)
-    holder.start()
-    assert locked.wait(10)
     _mapping._reaper.start()
-    ctrl_c = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-    ctrl_c.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            _mapping._finish(("k",), claim)
-    finally:
-        done.set()
-        holder.join(10)
-        ctrl_c.join(10)
+    with ctrl_c_while_locked():
+        _mapping._finish(("k",), claim)
     assert _eventually(lambda: not _mapping._claims)
     assert not held() and not _mapping._active
 
@@ -186,10 +167,29 @@ def test_an_open_interrupted_while_its_lease_is_made_lets_the_mapping_and_claim_
     assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
 
 
-def test_an_open_interrupted_late_in_making_its_lease_lets_go_of_it_once(producer, monkeypatch):
-    # Interrupted once the lease named its mapping, the open let the mapping and claim go, and so did the lease
-    # when collected: another open's array, which shared them, lost them (its mapping closed, and the producer
-    # free to reuse the memory).
+def _interrupted_in_its_last_step(monkeypatch) -> None:
+    def interrupted() -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping._threads, "mark", interrupted)
+
+
+def _interrupted_once_made(monkeypatch) -> None:
+    # As at the check for interrupts that follows the lease's making.
+    made = _mapping.Lease.__init__
+
+    def made_then_interrupted(self, *args):
+        made(self, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping.Lease, "__init__", made_then_interrupted)
+
+
+@pytest.mark.parametrize("interrupt", [_interrupted_in_its_last_step, _interrupted_once_made])
+def test_an_open_interrupted_late_in_making_its_lease_lets_go_of_it_once(producer, monkeypatch, interrupt):
+    # Interrupted once the lease named its mapping, or once it was whole, the open let the mapping and claim go,
+    # and so did the lease when collected: another open's array, which shared them, lost them (its mapping
+    # closed, and the producer free to reuse the memory).
     import gc
     import os
 
@@ -207,54 +207,14 @@ def test_an_open_interrupted_late_in_making_its_lease_lets_go_of_it_once(produce
         return _mapping.acquire(("k",), 0, bytes(64), 64, None, None, view, token, os.getpid(), 9, 3, Stream(), 0,
                                 0, (lambda: 0x2000, None, 0), False)[1]
 
-    def interrupted() -> object:
-        raise KeyboardInterrupt
-
     in_use = acquire()
-    monkeypatch.setattr(_mapping._threads, "mark", interrupted)  # the lease's last step
+    interrupt(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         acquire()
-    gc.collect()  # (the half-made lease, which the traceback held)
+    gc.collect()  # (the lease, whole or half-made, which the traceback held)
     assert _mapping._active[("k",)].users == 1 and _mapping._claims[(token, 3)].count == 1 and held()
     del in_use
     _mapping.settle_closes()  # (the mapping's close is the closer thread's)
-    assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
-
-
-def test_an_open_interrupted_just_after_its_lease_was_made_lets_go_of_it_once(producer, monkeypatch):
-    # The same, interrupted once the lease was whole (at the check for interrupts after its making): the open
-    # let the mapping and claim go, and the lease too, when collected.
-    import gc
-    import os
-
-    token, own, view, held = producer
-    unmapped = []
-    monkeypatch.setattr(_mapping._Mapping, "unmap", lambda m: unmapped.append(m.ptr))
-    monkeypatch.setattr(_mapping, "_checked", lambda m, *size: m)
-    monkeypatch.setattr(_mapping._cuda, "stream_idle", lambda ptr: True)
-    monkeypatch.setattr(_mapping._reaper, "collecting", lambda: False)
-
-    class Stream:
-        ptr = 0x5EED
-
-    def acquire() -> _mapping.Lease:
-        return _mapping.acquire(("k",), 0, bytes(64), 64, None, None, view, token, os.getpid(), 9, 3, Stream(), 0,
-                                0, (lambda: 0x2000, None, 0), False)[1]
-
-    in_use = acquire()
-    made = _mapping.Lease.__init__
-
-    def made_then_interrupted(self, *args):
-        made(self, *args)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(_mapping.Lease, "__init__", made_then_interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        acquire()
-    gc.collect()  # (the whole lease, which the traceback held)
-    assert _mapping._active[("k",)].users == 1 and _mapping._claims[(token, 3)].count == 1 and held()
-    del in_use
-    _mapping.settle_closes()
     assert unmapped == [0x2000] and not _mapping._active and not _mapping._claims and not held()
 
 
