@@ -89,25 +89,23 @@ def remove_stale() -> int:
         >>> remove_stale() >= 1
         True
     """
-    directory = _dir()
     removed = 0
-    for entry in os.scandir(directory):
-        name = entry.name
-        if not (name.startswith(_PREFIX) and len(name) == len(_PREFIX) + 32):
+    for entry in os.scandir(_dir()):
+        try:
+            token = bytes.fromhex(entry.name.removeprefix(_PREFIX))  # (not a segment's name: ValueError)
+            if len(token) != 16 or entry.name != _PREFIX + token.hex():  # (a token is 16 bytes: _identity)
+                continue
+            seg = Segment(os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC), token, entry.path, owner=False)
+        except (ValueError, OSError):  # not a segment; another user's, or gone meanwhile
             continue
         try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # another user's, or gone meanwhile
-            continue
-        try:
-            got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _ALIVE_QUERY)
-            if _FLOCK.unpack(got)[0] == _UNLOCK:
+            if not seg.producer_alive():
                 os.unlink(entry.path)
                 removed += 1
         except OSError:
             pass
         finally:
-            os.close(fd)
+            seg.close()
     return removed
 
 
@@ -149,11 +147,12 @@ class Segment:
         path = segment_path(token)
         # Set up under another name, and given its own once its liveness lock is held: a file under a
         # segment's name without that lock is then always one whose producer has gone (see remove_stale).
+        new = path + _NEW
         try:
-            fd = os.open(path + _NEW, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise IpcError(f"cannot create the segment {path}: {e.strerror}") from e
-        seg = cls(fd, token, path + _NEW, owner=True)
+        seg = cls(fd, token, new, owner=True)
         # Unlinked if this fails, or every later export would find the file there and fail.
         with seg._closed_on_failure(f"set up the segment {path}", unlink=True):
             seg.lock(ALIVE, READ)
@@ -164,7 +163,7 @@ class Segment:
             except FileExistsError as e:
                 raise IpcError(f"cannot create the segment {path}: {e.strerror}") from e
             seg.path = path
-            os.unlink(path + _NEW)
+            os.unlink(new)
         return seg
 
     @contextlib.contextmanager
