@@ -22,6 +22,7 @@ __all__ = [
     "can_access_peer",
     "checked_ordinal",
     "close_ipc_mapping",
+    "open_ipc_mapping",
     "current_device",
     "device_count",
     "device_uuid",
@@ -458,6 +459,60 @@ def close_ipc_mapping(ptr: int, device: int) -> None:
             err = close(ptr)
     if err:
         check("closing the memory handle", _driver().CUresult(err))
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]  # CUipcMemHandle, passed by value
+
+
+@functools.lru_cache(maxsize=None)
+def _ipc_open() -> Any:
+    """libcuda's ``cuIpcOpenMemHandle``, typed, or ``None`` where the library does not load."""
+    try:
+        open_ = ctypes.CDLL("libcuda.so.1").cuIpcOpenMemHandle_v2
+    except (OSError, AttributeError):
+        return None
+    open_.argtypes = (ctypes.POINTER(ctypes.c_uint64), _IpcMemHandle, ctypes.c_uint)
+    open_.restype = ctypes.c_int
+    return open_
+
+
+_NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED: no runtime call has initialized the driver yet
+_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, cudaIpcMemLazyEnablePeerAccess
+
+
+def open_ipc_mapping(handle: bytes, device: int, out: ctypes.c_uint64) -> None:
+    """Map a legacy memory handle on GPU ``device``, the current one; the driver writes the pointer to ``out``.
+
+    ``out`` is the caller's, made before the call, so that the pointer of a mapping made cannot be lost: an
+    interrupt (Ctrl-C) that arrives while the driver maps, which takes about 50 µs, is raised right after the
+    call returns, and a pointer returned as a value would be dropped with the call's result. The caller that
+    sees anything raised with ``out`` set owns that mapping. Errors carry the runtime's names (the driver's
+    codes for these errors are the runtime's).
+
+    Example:
+        >>> import ctypes
+        >>> out = ctypes.c_uint64()
+        >>> open_ipc_mapping(b"\\0" * 63, 0, out)
+        Traceback (most recent call last):
+        ...
+        cupy_ipc._errors.HandleError: a memory handle is 64 bytes, not 63
+    """
+    if len(handle) != 64:
+        raise HandleError(f"a memory handle is 64 bytes, not {len(handle)}")
+    open_ = _ipc_open()
+    if open_ is None:  # (cuda-bindings would return the pointer as a value too)
+        runtime = rt()
+        out.value = call("opening the memory handle", runtime.ipcOpenMemHandle, handle,
+                         runtime.cudaIpcMemLazyEnablePeerAccess)
+        return
+    c_handle = _IpcMemHandle.from_buffer_copy(handle)
+    err = open_(ctypes.byref(out), c_handle, _LAZY_ENABLE_PEER_ACCESS)
+    if err in (_INVALID_CONTEXT, _NOT_INITIALIZED):  # a thread (or process) that has made no runtime call yet
+        with using_device(device, bind=True):
+            err = open_(ctypes.byref(out), c_handle, _LAZY_ENABLE_PEER_ACCESS)
+    if err:
+        raise _translated("opening the memory handle", _runtime_error()(err))
 
 
 def address_range(ptr: int) -> tuple[int, int]:

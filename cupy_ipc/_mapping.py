@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import os
 import resource
 import threading
@@ -400,30 +401,39 @@ def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_siz
 
 
 def _import(device: int, memory_handle: bytes, allocation_size: int, origin: Origin | None = None) -> _Mapping:
-    """Open a legacy handle on ``device``, the current GPU."""
+    """Open a legacy handle on ``device``, the current GPU. The caller holds ``_lock``."""
     if origin is not None and _idle:
         _drop_idle_colliding(device, origin)
     if _closing:
         _await_closes(device, origin)
-    runtime = _cuda.rt()
+    out = ctypes.c_uint64()  # where the driver writes the pointer (see _cuda.open_ipc_mapping)
+    m = None
     try:
-        ptr = _cuda.call("opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
-                         runtime.cudaIpcMemLazyEnablePeerAccess)
-    except IpcError as e:
-        if e.cuda_error != "cudaErrorAlreadyMapped":
-            raise
-        # An idle mapping of an allocation the driver counts as this one (sent on by another process, say).
-        dropped = _drop_idle_colliding(device, None)
-        if not _await_closes(device, None) and not dropped:
-            raise IpcError(
-                f"{e} (this process still maps an earlier allocation at the producer's addresses, through an "
-                "array in use: was it exported with keepalive=False and freed before this array was made?)",
-                cuda_error=e.cuda_error) from e
-        ptr = _cuda.call("opening the memory handle", runtime.ipcOpenMemHandle, memory_handle,
-                         runtime.cudaIpcMemLazyEnablePeerAccess)
-    m = _checked(_Mapping(ptr, device, imported=True), allocation_size)
-    m.origin = origin
-    return m
+        try:
+            _cuda.open_ipc_mapping(memory_handle, device, out)
+        except IpcError as e:
+            if e.cuda_error != "cudaErrorAlreadyMapped":
+                raise
+            # An idle mapping of an allocation the driver counts as this one (sent on by another process, say).
+            dropped = _drop_idle_colliding(device, None)
+            if not _await_closes(device, None) and not dropped:
+                raise IpcError(
+                    f"{e} (this process still maps an earlier allocation at the producer's addresses, through an "
+                    "array in use: was it exported with keepalive=False and freed before this array was made?)",
+                    cuda_error=e.cuda_error) from e
+            _cuda.open_ipc_mapping(memory_handle, device, out)
+        m = _Mapping(out.value, device, imported=True)
+        m.origin = origin
+        size = _mapped_bytes(m.ptr, allocation_size, 1)
+    except BaseException:
+        if out.value:  # mapped, then interrupted (Ctrl-C during the driver's call, say): closed, not lost
+            if m is None:
+                m = _Mapping(out.value, device, imported=True)
+                m.origin = origin
+            _closing[id(m)] = m  # (for the closer, or an import colliding with it)
+            _reaper.soon(_close_let_go, m, device=device)
+        raise
+    return _sized(m, size, allocation_size)
 
 
 def _drop_idle_colliding(device: int, origin: Origin | None) -> int:
@@ -495,7 +505,11 @@ def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:
 def _checked(m: _Mapping, allocation_size: int, ranges: int = 1) -> _Mapping:
     """``m``, unless the driver mapped less than the handle claims (then unmapped). Only the import's own
     ``ranges`` count: another mapping may lie right after it."""
-    size = _mapped_bytes(m.ptr, allocation_size, ranges)
+    return _sized(m, _mapped_bytes(m.ptr, allocation_size, ranges), allocation_size)
+
+
+def _sized(m: _Mapping, size: int, allocation_size: int) -> _Mapping:
+    """``m``, of which ``size`` bytes are mapped, unless that is less than the handle claims (then unmapped)."""
     if size < allocation_size:
         m.unmap()
         raise HandleError(_forged(allocation_size, size))

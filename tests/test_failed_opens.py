@@ -205,6 +205,7 @@ def sender(request, monkeypatch):
         return _Event()
 
     monkeypatch.setattr(_cuda, "rt", lambda: runtime)
+    monkeypatch.setattr(_cuda, "_ipc_open", lambda: None)  # (opens through the runtime's call)
     monkeypatch.setattr(_cuda, "close_ipc_mapping", lambda ptr, device: runtime.ipcCloseMemHandle(ptr))
     monkeypatch.setattr(_cuda, "address_range", lambda ptr: (ptr, 64))  # the driver's size of the mapping
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *args: _Stream())

@@ -279,6 +279,19 @@ def test_an_open_that_fails_after_its_claim_leaves_the_export_to_a_retry(remote,
     _failed_then_retried(consumer, step)
 
 
+def test_an_open_interrupted_once_the_driver_mapped_the_memory_leaves_nothing_mapped(remote):
+    # Ctrl-C that arrives during the driver's open (about 50 µs of a new buffer's) is raised as the call
+    # returns: the mapping it made was lost, never closed, for the life of the process.
+    consumer, producer = remote(), remote()
+    consumer.call("warm_up")
+    data = producer.call("export_filled", 1 << 18, 5.0)
+    got = consumer.call("open_interrupted_once_mapped", data)
+    assert got["first"] == "interrupted"
+    assert (got["values"] == 5.0).all()
+    assert got["mapped"] == 0
+    assert not got["still_mapped"], "the interrupted open's mapping was left mapped"
+
+
 @pytest.mark.multi_gpu(2)
 def test_a_staged_open_whose_copy_fails_leaves_the_export_to_a_retry(remote):
     consumer = remote()

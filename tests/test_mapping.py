@@ -241,8 +241,9 @@ def closes(monkeypatch):
     monkeypatch.setattr(_mapping, "_under_way", set())
     monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
+    monkeypatch.setattr(_mapping._cuda, "_ipc_open", lambda: None)  # (opens through the runtime's call)
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: seen.append(f"close {ptr:#x}"))
-    monkeypatch.setattr(_mapping, "_checked", lambda m, *size: m)  # (the driver's mapped size)
+    monkeypatch.setattr(_mapping, "_mapped_bytes", lambda ptr, want, ranges: want)  # (the driver's mapped size)
     return seen
 
 
@@ -291,6 +292,30 @@ def test_an_import_colliding_with_a_close_not_under_way_closes_it_first(closes):
     left = sorted(m.ptr for m in _mapping._closing.values())
     assert left == [0x3000, 0x4000]  # for the threads that let them go
     _mapping._close_pending()
+    assert not _mapping._closing and not _mapping._under_way
+
+
+@pytest.mark.parametrize("where", ["driver", "size"])
+def test_an_import_interrupted_once_the_driver_mapped_it_closes_the_mapping(closes, monkeypatch, where):
+    # Ctrl-C during the driver's open (about 50 µs) is raised as the call returns: the pointer, returned as a
+    # value, was lost with the mapping still made. The allocation's next import then failed (the driver
+    # refuses to map it twice), naming an array in use that did not exist.
+    def open_then_interrupted(out, handle, flags):  # the driver's open, then the interrupt's check
+        out._obj.value = 0x7000  # (out: ctypes.byref of the caller's c_uint64)
+        if where == "driver":
+            raise KeyboardInterrupt
+        return 0
+
+    def interrupted(ptr, want, ranges):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping._cuda, "_ipc_open", lambda: open_then_interrupted)
+    if where == "size":
+        monkeypatch.setattr(_mapping, "_mapped_bytes", interrupted)
+    with pytest.raises(KeyboardInterrupt), _mapping._lock:
+        _mapping._import(0, H1, 64, (H1, A, 0x1000, 64))
+    _mapping.settle_closes()  # (the close is the closer thread's)
+    assert closes == ["close 0x7000"]
     assert not _mapping._closing and not _mapping._under_way
 
 

@@ -194,7 +194,7 @@ def open_failing(data: bytes, step: str) -> dict[str, Any]:
     from cupy_backends.cuda.api.runtime import CUDARuntimeError
 
     import cupy_ipc
-    from cupy_ipc import _array_handle, _mapping
+    from cupy_ipc import _array_handle, _cuda, _mapping
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise CUDARuntimeError(205)  # cudaErrorMapBufferObjectFailed
@@ -202,7 +202,7 @@ def open_failing(data: bytes, step: str) -> dict[str, Any]:
     def out_of_memory(*args: Any, **kwargs: Any) -> Any:
         raise cupy.cuda.memory.OutOfMemoryError(0, 0)
 
-    target, name, stub = {"import": (cupy.cuda.runtime, "ipcOpenMemHandle", failing),
+    target, name, stub = {"import": (_cuda, "_ipc_open", lambda: lambda out, handle, flags: 205),
                           "event": (_array_handle, "open_cached", failing),
                           "copy": (cupy.cuda, "alloc", out_of_memory)}.get(step, (None, "", None))
     real = getattr(target, name) if target is not None else None
@@ -218,6 +218,45 @@ def open_failing(data: bytes, step: str) -> dict[str, Any]:
         if target is not None:
             setattr(target, name, real)
     return {"error": f"{type(error).__name__}: {error}", "counts": _mapping.counts()}
+
+
+def open_interrupted_once_mapped(data: bytes) -> dict[str, Any]:
+    """Open with Ctrl-C raised right after the driver's open returns (where one that arrives during the call is
+    raised), then open again and read; what the first open did, the second's values, and whether the
+    interrupted open's address is still mapped once the second array is dropped."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, IpcError, _cuda, _mapping
+
+    module_open = _cuda._ipc_open
+    real = module_open()
+    mapped_at: list[int] = []
+
+    def open_then_interrupted(out: Any, handle: Any, flags: int) -> int:
+        err = real(out, handle, flags)
+        mapped_at.append(out._obj.value)
+        raise KeyboardInterrupt
+
+    _cuda._ipc_open = lambda: open_then_interrupted
+    try:
+        IpcArrayHandle.from_bytes(data).open()
+        first = "opened"
+    except KeyboardInterrupt:
+        first = "interrupted"
+    finally:
+        _cuda._ipc_open = module_open
+    with IpcArrayHandle.from_bytes(data) as arr:
+        values = cupy.asnumpy(arr)
+        arr.device.synchronize()
+    del arr
+    left = _mapped_once_released()
+    _mapping.settle_closes()
+    try:
+        _cuda.address_range(mapped_at[0])
+        still_mapped = True
+    except IpcError:
+        still_mapped = False
+    return {"first": first, "values": values, "mapped": left, "still_mapped": still_mapped}
 
 
 def open_twice(data: bytes, close_first: int) -> dict[str, Any]:
