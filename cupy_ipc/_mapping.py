@@ -770,7 +770,7 @@ def count_unclaimed(segment: _segment.Segment, producer_token: bytes, producer_p
     with _lock:
         try:
             claim_key = _claim(segment, producer_token, producer_pid, export_id, slot)
-        except IpcError:  # ended already
+        except IpcError:  # ended already (or its slot cannot be mapped here: then nothing can count it)
             return
         try:
             _count(claim_key)

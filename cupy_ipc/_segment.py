@@ -195,12 +195,19 @@ class Segment:
             old.close()
 
     def _reach(self, at: int) -> bool:
-        """Whether the mapped view covers the record at ``at``, growing or remapping it if needed."""
+        """Whether the mapped view covers the record at ``at``, growing or remapping it if needed.
+
+        Raises:
+            IpcError: The file could not grow, or its view could not be remapped (the old view stays).
+        """
         if self.mm is not None and at + _RECORD.size <= len(self.mm):
             return True
         if self.owner:
             self._grow(2 * at + _RECORD.size)
-        self._remap()
+        try:
+            self._remap()
+        except OSError as e:  # (create and attach, its other callers, say so in their own words)
+            raise IpcError(f"cannot remap the segment {self.path}: {e.strerror}") from e
         return self.mm is not None and at + _RECORD.size <= len(self.mm)
 
     @classmethod

@@ -302,6 +302,35 @@ def test_a_message_whose_open_is_interrupted_before_its_claim_counts_too(sender,
     assert not _mapping._claims
 
 
+def test_an_open_whose_view_of_the_producer_cannot_be_remapped_raises_ipc_error_and_opens_on_a_retry(sender,
+                                                                                                  monkeypatch):
+    # The producer grew its segment for an export after this process mapped it: the open remaps its view to
+    # reach the export's slot. A map that failed there (no memory, or too many maps) escaped as an OSError.
+    import errno
+    import mmap
+    import types
+
+    handle, producer, _, _ = sender
+    _segment.attach(producer.token, os.getpid())  # mapped before the producer grew it
+    producer.write(5000, 8, PINNED | ONE_CONSUMER)
+    later = IpcArrayHandle._make(handle._f._replace(export_id=8, slot=5000))
+
+    def no_map(*args):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(_segment, "mmap", types.SimpleNamespace(mmap=no_map))
+    with pytest.raises(IpcError, match="cannot remap the segment .*Cannot allocate memory"):
+        later.open()
+    assert (producer.opens(5000), _in_use(producer, 5000)) == (0, False)
+    assert not _mapping._claims
+    monkeypatch.setattr(_segment, "mmap", mmap)
+    arr = later.open()  # the retry
+    assert (producer.opens(5000), _in_use(producer, 5000)) == (1, True)
+    later.close()
+    del arr
+    assert not _in_use(producer, 5000)
+
+
 def test_a_message_whose_open_fails_after_a_counted_open_of_its_export_counts_once(sender):
     # Several consumers may open one export: a second, failed open of this process counts no second time.
     handle, producer, runtime, event_errors = sender

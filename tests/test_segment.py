@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import multiprocessing
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -262,8 +264,6 @@ def test_create_refuses_an_existing_segment(token):
 
 def test_a_segment_that_cannot_be_set_up_leaves_no_file(token, monkeypatch):
     # Left there, the file made every later export of the process fail: its segment already existed.
-    import errno
-
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -380,20 +380,19 @@ def test_records_beyond_the_first_mapping_are_shared():
         seg.close(unlink=True)
 
 
+def _no_map(*args):
+    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+
 def test_a_view_that_cannot_be_remapped_leaves_the_segment_usable(token, monkeypatch):
     # Growing the file remaps it; a map that fails then (no memory, or the process's limit of maps) must not
-    # leave a closed view behind, or every later export and open of this producer would fail.
-    import types
-
+    # leave a closed view behind, or every later export and open of this producer would fail. The export
+    # that failed is told so as an IpcError, not the OSError of the map.
     seg = Segment.create(token)
     try:
         seg.write(0, 7, PINNED)
-
-        def no_map(*args):
-            raise OSError(12, "Cannot allocate memory")
-
-        monkeypatch.setattr(_segment, "mmap", types.SimpleNamespace(mmap=no_map))
-        with pytest.raises(OSError):
+        monkeypatch.setattr(_segment, "mmap", types.SimpleNamespace(mmap=_no_map))
+        with pytest.raises(IpcError, match=f"cannot remap the segment {seg.path}: Cannot allocate memory"):
             seg.write(5000, 9, PINNED)  # past the first mapping: the file grows, the view is remapped
         monkeypatch.undo()
         assert seg.read(0) == (7, 0, PINNED)
@@ -401,6 +400,48 @@ def test_a_view_that_cannot_be_remapped_leaves_the_segment_usable(token, monkeyp
         assert seg.read(5000) == (9, 0, PINNED)
     finally:
         seg.close(unlink=True)
+
+
+@pytest.mark.parametrize("consumers_flag", [ONE_CONSUMER, 0], ids=["one consumer", "several consumers"])
+def test_a_claim_whose_view_cannot_be_remapped_holds_and_counts_nothing(token, monkeypatch, consumers_flag):
+    # An export in a slot the producer grew its file for after the consumer mapped it: the consumer's view is
+    # remapped to reach it. Failed, the open is told so as an IpcError (the OSError of the map escaped the
+    # library), holding no lock and counting nothing, and may be retried.
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    try:
+        producer.write(5000, 9, PINNED | consumers_flag)
+        monkeypatch.setattr(_segment, "mmap", types.SimpleNamespace(mmap=_no_map))
+        with pytest.raises(IpcError, match="cannot remap the segment .*Cannot allocate memory"):
+            claim(consumer, 5000, 9)
+        assert (producer.opens(5000), producer.held_by_other(in_use(5000))) == (0, False)
+        monkeypatch.undo()
+        assert claim(consumer, 5000, 9)  # the retry
+        assert (producer.opens(5000), producer.held_by_other(in_use(5000))) == (1, True)
+        consumer.unlock(in_use(5000))
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
+
+
+def test_a_view_whose_size_cannot_be_read_raises_ipc_error(token, monkeypatch):
+    # The file's size is read before its view is remapped: failed, that is told as an IpcError too.
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    try:
+        producer.write(5000, 9, PINNED)
+
+        def no_stat(fd):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(os, "fstat", no_stat)
+        with pytest.raises(IpcError, match="cannot remap the segment .*Input/output error"):
+            consumer.read(5000)
+        monkeypatch.undo()
+        assert consumer.read(5000) == (9, 0, PINNED)
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
 
 
 # --- the claim and free protocol -------------------------------------------------------------------
