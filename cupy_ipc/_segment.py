@@ -34,6 +34,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 import weakref
 from typing import Callable, Iterator
 
@@ -61,6 +62,10 @@ _OFD = hasattr(fcntl, "F_OFD_SETLK")
 
 _PREFIX = "cupy_ipc-"
 _NEW = ".new"  # a segment's file while it is set up
+# A file being set up is unlocked from its creation until its producer locks it, microseconds later: one
+# unlocked this long after it was made was left by a producer killed then. Generous, for a live producer
+# stopped or starved meanwhile, whose export would fail if its file went.
+_SETUP_ABANDONED_AFTER = 60.0  # s
 
 
 def _dir() -> str:
@@ -80,8 +85,10 @@ def remove_stale() -> int:
     cancelled, the out-of-memory killer) the file stays: in a container's
     small ``/dev/shm``, enough of them would leave no room for new ones. A
     file under a segment's name whose liveness lock nobody holds is such a
-    leftover (see :meth:`Segment.create`). Files of other users cannot be
-    opened here, and stay.
+    leftover (see :meth:`Segment.create`), and so is a file still under the
+    name a segment is set up under (``.new``) if unlocked and untouched for
+    a minute: its producer was killed while it set it up. Files of other
+    users cannot be opened here, and stay.
 
     Example:
         >>> import secrets
@@ -90,16 +97,19 @@ def remove_stale() -> int:
         True
     """
     removed = 0
+    now = time.time()  # (a file's time is the wall clock's)
     for entry in os.scandir(_dir()):
+        name = entry.name.removesuffix(_NEW)
         try:
-            token = bytes.fromhex(entry.name.removeprefix(_PREFIX))  # (not a segment's name: ValueError)
-            if len(token) != 16 or entry.name != _PREFIX + token.hex():  # (a token is 16 bytes: _identity)
+            token = bytes.fromhex(name.removeprefix(_PREFIX))  # (not a segment's name: ValueError)
+            if len(token) != 16 or name != _PREFIX + token.hex():  # (a token is 16 bytes: _identity)
                 continue
             seg = Segment(os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC), token, entry.path, owner=False)
         except (ValueError, OSError):  # not a segment; another user's, or gone meanwhile
             continue
         try:
-            if not seg.producer_alive():
+            if not seg.producer_alive() and (
+                    name == entry.name or os.fstat(seg.fd).st_mtime < now - _SETUP_ABANDONED_AFTER):
                 os.unlink(entry.path)
                 removed += 1
         except OSError:

@@ -212,6 +212,35 @@ def test_only_segments_nobody_holds_alive_are_removed_as_stale(token):
         os.unlink(other)
 
 
+def test_a_segment_left_half_set_up_is_removed_once_it_is_old(tmp_path, monkeypatch):
+    # A producer killed while it set its segment up left the file under the name it is set up under, which
+    # nothing removed. Unlocked only for microseconds in a live producer, it goes once unlocked and old.
+    monkeypatch.setattr(_segment, "_dir", lambda: str(tmp_path))
+
+    def setting_up(age):
+        path = segment_path(secrets.token_bytes(16)) + _segment._NEW
+        with open(path, "w"):
+            pass
+        os.utime(path, (time.time() - age,) * 2)
+        return path
+
+    killed, fresh, locked = setting_up(3600), setting_up(0), setting_up(3600)
+    other = str(tmp_path / f"{_segment._PREFIX}notes{_segment._NEW}")  # not a segment's name
+    with open(other, "w"):
+        pass
+    os.utime(other, (time.time() - 3600,) * 2)
+    holder = Segment(os.open(locked, os.O_RDWR | os.O_CLOEXEC), secrets.token_bytes(16), locked, owner=True)
+    dead_token = secrets.token_bytes(16)
+    Segment.create(dead_token).close()  # a segment's own name: removed whatever its age
+    try:
+        assert holder.lock(ALIVE, READ)  # a live producer's, setting it up
+        assert _segment.remove_stale() == 2
+        assert not os.path.exists(killed) and not os.path.exists(segment_path(dead_token))
+        assert os.path.exists(fresh) and os.path.exists(locked) and os.path.exists(other)
+    finally:
+        holder.close()
+
+
 def test_a_segment_being_set_up_is_never_taken_for_a_stale_one(token, monkeypatch):
     # Between the file's creation and its lock of liveness, another producer's look for stale segments would
     # have removed it, and this producer's consumers would have found it gone: it gets its name only once
