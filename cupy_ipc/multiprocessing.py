@@ -87,7 +87,10 @@ __all__ = [*_mp.__all__, "init_reductions", "set_message_lease"]  # noqa: PLE060
 
 def __getattr__(name: str) -> Any:
     # Submodules and anything else of the standard module (mp.pool, mp.reduction, ...): a submodule not
-    # imported yet is imported, as `import multiprocessing.pool` would.
+    # imported yet is imported, as `import multiprocessing.pool` would. Not the module machinery's names: the
+    # standard package's __path__ would make `import cupy_ipc.multiprocessing.pool` load copies of its files.
+    if name.startswith("__"):
+        raise AttributeError(f"module 'cupy_ipc.multiprocessing' has no attribute {name!r}")
     try:
         return getattr(_mp, name)
     except AttributeError:

@@ -170,6 +170,24 @@ def test_the_submodules_of_the_standard_module_are_reached_through_the_drop_in()
     assert done.stdout.split() == ["multiprocessing.pool", "multiprocessing.shared_memory"], done.stderr
 
 
+def test_a_submodule_imported_by_its_dotted_name_is_never_a_second_copy_of_the_standard_one():
+    # The drop-in passed on the standard package's __path__, so `import cupy_ipc.multiprocessing.connection`
+    # loaded connection.py again under that name: another Connection class, whose writes the library does not
+    # wrap (a failed send left its arrays pinned), and another Queue, whose feeder is not known as a sender.
+    code = """if True:
+        import multiprocessing.connection
+        import cupy_ipc.multiprocessing
+        try:
+            from cupy_ipc.multiprocessing.connection import Connection
+        except ImportError:
+            print("refused")
+        else:
+            print("standard" if Connection is multiprocessing.connection.Connection else "copy")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() in (["refused"], ["standard"]), done.stdout + done.stderr
+
+
 def test_a_refusal_elsewhere_is_raised_to_the_sender(unshareable):
     a, b = multiprocessing.Pipe()
     with a, b, pytest.raises(cupy_ipc.IpcError, match="managed memory"):
