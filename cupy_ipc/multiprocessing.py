@@ -187,7 +187,9 @@ class _MessageState(threading.local):
 
 
 _in_message = _MessageState()
-_plain_dump = ForkingPickler.dump
+# The standard methods that the wrappers below call. Executed again (importlib.reload), this module would find
+# its own wrappers in their place, which would call themselves: it keeps those that its first execution found.
+_plain_dump: Any = globals().get("_plain_dump", ForkingPickler.dump)
 
 
 def _release_all(exports: list[Any]) -> None:
@@ -214,7 +216,7 @@ def _dump(pickler: ForkingPickler, obj: Any) -> None:
         _in_message.dumped = exports or None
 
 
-_plain_dumps = ForkingPickler.dumps.__func__  # type: ignore[attr-defined]
+_plain_dumps: Any = globals().get("_plain_dumps", ForkingPickler.dumps.__func__)  # type: ignore[attr-defined]
 
 
 def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
@@ -249,7 +251,7 @@ def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
 _SENDERS = frozenset({_queues.Queue._feed.__code__, _queues.SimpleQueue.put.__code__,
                       _connection._ConnectionBase.send.__code__})
 _NOT_SENT = frozenset({errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN, errno.ESHUTDOWN})
-_plain_send_bytes = _connection.Connection._send_bytes
+_plain_send_bytes: Any = globals().get("_plain_send_bytes", _connection.Connection._send_bytes)
 
 
 def _send_bytes(conn: Any, buf: Any) -> None:

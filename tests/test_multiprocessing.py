@@ -40,6 +40,37 @@ def test_registration_is_idempotent_and_only_for_multiprocessing():
     assert cupy.ndarray not in copyreg.dispatch_table  # what pickle.dumps consults
 
 
+def test_the_module_executed_again_still_pickles_through_the_standard_methods():
+    # importlib.reload (IPython's autoreload) runs the module again in its own namespace: it took its own
+    # wrappers, which it had put in ForkingPickler and Connection, for the standard methods, and every message
+    # of the process then failed with RecursionError.
+    code = """if True:
+        import importlib
+        import multiprocessing
+        from multiprocessing.reduction import ForkingPickler
+        import cupy_ipc.multiprocessing as mp
+        importlib.reload(mp)
+
+        class Exported:
+            released = 0
+            def release(self):
+                self.released += 1
+
+        ForkingPickler.register(Exported, lambda o: (mp._in_message.exports.append(o), (list, ()))[1])
+        here, there = multiprocessing.Pipe()
+        here.send([1, 2])
+        print(there.recv())
+        there.close()
+        lost = Exported()
+        try:
+            here.send([lost])
+        except OSError:
+            print("released", lost.released)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["[1, 2]", "released 1"], done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("method,warns", [("fork", True), ("spawn", False), ("forkserver", False)])
 def test_warns_once_when_the_default_start_method_is_fork(monkeypatch, recwarn, method, warns):
     monkeypatch.setattr(mp, "_warned_fork", False)
