@@ -7,7 +7,7 @@ import numbers
 import operator
 from typing import Any
 
-__all__ = ["checked_count", "checked_lease"]
+__all__ = ["checked_count", "checked_lease", "checked_wait"]
 
 
 def checked_count(value: Any, what: str, minimum: int, maximum: int | None = None) -> int:
@@ -54,4 +54,25 @@ def checked_lease(lease: Any) -> float | None:
     try:
         return float(lease)
     except OverflowError:  # an integer past the largest float: longer than any wait, as inf is
+        return math.inf
+
+
+def checked_wait(seconds: Any, what: str) -> float:
+    """``seconds`` of a wait as a float: zero or more (infinite: no end).
+
+    Raises:
+        TypeError: It is not a number.
+        ValueError: It is negative (or NaN).
+
+    Example:
+        >>> checked_wait(0, "exit wait")
+        0.0
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds, not {type(seconds).__name__}")
+    if not seconds >= 0:  # NaN too
+        raise ValueError(f"{what} must be zero or more seconds, not {seconds}")
+    try:
+        return float(seconds)
+    except OverflowError:
         return math.inf

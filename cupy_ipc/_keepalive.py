@@ -27,7 +27,7 @@ import itertools
 import os
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from . import _cuda, _segment
 from ._errors import IpcError, warn_quietly
@@ -35,7 +35,7 @@ from ._events import IpcEvent
 from ._identity import this_process
 from ._segment import ONE_CONSUMER, PINNED, REVOKED
 
-__all__ = ["PinInfo", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
+__all__ = ["PinInfo", "awaiting", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
 
 
 class PinInfo(NamedTuple):
@@ -263,6 +263,19 @@ def pinned() -> list[PinInfo]:
                     p.revoked, "{} {}".format(*p.description))
             for p in _pins.values()
         ]
+
+
+def awaiting(export_ids: Iterable[int]) -> tuple[list[int], set[int]]:
+    """Of ``export_ids``, the exports that fewer than their ``consumers`` have opened and that may still be
+    opened (neither revoked nor past their lease); and the GPUs of every export still pinned."""
+    with _lock:
+        if not _pins:
+            return [], set()
+        seg = _segment_here()
+        now = time.monotonic()
+        left = [i for i in export_ids if (p := _pins.get(i)) is not None and not p.revoked
+                and (p.deadline is None or now < p.deadline) and seg.opens(p.slot) < p.consumers]
+        return left, {p.device for p in _pins.values()}
 
 
 _inherited: list[Any] = []  # a forked child's copies of its parent's pins and events, never freed

@@ -35,7 +35,9 @@ connections' ``_send_bytes`` is wrapped too), when a queue, a pipe's
 ``send()`` or a pool pickled it (not bytes of your own ``dumps()``, which
 may be sent again elsewhere). An array that is sent but never received
 stays pinned in the sender, unless :func:`set_message_lease` gave it a
-lease.
+lease. A process started by multiprocessing waits at its exit until the
+arrays it sent have been opened, for at most :func:`set_exit_wait` seconds
+(see ``cupy_ipc._sent``).
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
@@ -74,15 +76,16 @@ from multiprocessing.queues import Queue as _PlainQueue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-from . import _fdserver, _fork, _pools, _vmm
+from . import _fdserver, _fork, _pools, _sent, _vmm
 from ._args import checked_lease
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
 from ._events import IpcEvent, IpcEventHandle, export_event
 from ._identity import this_process
+from ._sent import set_exit_wait
 from ._wire import Kind
 
-__all__ = [*_mp.__all__, "init_reductions", "set_message_lease"]  # noqa: PLE0604
+__all__ = [*_mp.__all__, "init_reductions", "set_exit_wait", "set_message_lease"]  # noqa: PLE0604
 
 
 def __getattr__(name: str) -> Any:
@@ -307,6 +310,7 @@ def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     exports = _in_message.exports
     if exports is not None:
         exports.append(h)
+    _sent.note(h._f.export_id)
     if h._f.kind in Kind.BY_DESCRIPTOR and h._descriptors():
         # Memory shared by descriptor: the receiver asks this process's descriptor server for them, over a
         # Unix socket (no ptrace permission needed), only when it lacks them: a pool it imported before

@@ -241,3 +241,26 @@ def device_of(a: Any) -> tuple[int, bytes, float]:
     with cupy.cuda.Device(a.device.id):
         return a.device.id, device_uuid(cupy_ipc.open_info(a).memory_device), float(a.sum())
 
+
+
+def put_filled_and_end(q: Any, n: int, value: float, busy: float = 0.0, exit_wait: float | None = None) -> None:
+    """Put a new array of ``value``s on ``q``, filled behind ``busy`` seconds of other GPU work, and end at once
+    (waiting at most ``exit_wait`` seconds at exit, if given, for its receiver)."""
+    import cupy
+
+    from workers import spin
+
+    if exit_wait is not None:
+        cupy_ipc.multiprocessing.set_exit_wait(exit_wait)
+    a = cupy.empty(n, cupy.float32)
+    if busy:
+        spin(busy)
+    a.fill(value)
+    q.put(a)
+
+
+def filled(value: float) -> Any:
+    """A new array of the worker's own, of 1 MiB."""
+    import cupy
+
+    return cupy.full(1 << 18, value, dtype=cupy.float32)

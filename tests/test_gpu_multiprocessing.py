@@ -545,3 +545,37 @@ def test_a_message_lease_ends_the_pin_of_an_array_nobody_received_in_time(ctx):
     with pytest.raises(ValueError, match="lease must be"):
         mp.set_message_lease(0)
     assert mp.set_message_lease(None) is None
+
+
+@pytest.mark.parametrize("busy", [0.0, 2.0], ids=["sender-idle", "sender-gpu-busy"])
+def test_an_array_from_a_process_that_ends_at_once_arrives_whole(ctx, busy):
+    # A worker that puts its result and returns ends, and CUDA frees its memory: received after that, the array
+    # raised ProducerExitedError (the receiver raced the sender's exit). It now waits at exit until the array is
+    # opened, then until its GPU has finished the work on the memory, which its end would cut short.
+    q = ctx.Queue()
+    p = ctx.Process(target=mp_workers.put_filled_and_end, args=(q, N, 3.0, busy))
+    p.start()
+    if not busy:
+        time.sleep(1.5)  # by now the sender has put its array and returned
+    got = q.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    assert float(got.min()) == 3.0 == float(got.max())
+
+
+def test_a_pool_whose_workers_end_after_each_task_returns_every_array():
+    # A worker that ends after its task raced the pool's result handler for its result: opened after the
+    # worker's exit, it raised there, which ends the handler's thread, and the pool waited for ever.
+    with mp.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:
+        results = pool.map_async(mp_workers.filled, [float(i) for i in range(6)]).get(120)
+    assert [(float(r.min()), float(r.max())) for r in results] == [(float(i), float(i)) for i in range(6)]
+
+
+def test_a_process_whose_array_nobody_receives_ends_after_its_exit_wait(ctx, capfd):
+    q = ctx.Queue()  # never read
+    p = ctx.Process(target=mp_workers.put_filled_and_end, args=(q, 256, 1.0, 0.0, 0.5))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    err = capfd.readouterr().err
+    assert "exits with 1 array(s) it sent that no receiver opened within 0.5 s" in err, err

@@ -478,3 +478,35 @@ def test_a_queue_subclass_with_its_own_feeder_error_handler_gets_the_error(queue
     t.join()
     q.close()
     assert seen == [handles]
+
+
+@pytest.mark.parametrize("value, error", [(-1, ValueError), (float("nan"), ValueError), ("1", TypeError),
+                                          (True, TypeError), (None, TypeError)])
+def test_a_bad_exit_wait_is_refused_and_the_setting_kept(value, error):
+    with pytest.raises(error, match="exit wait"):
+        mp.set_exit_wait(value)
+    assert mp.set_exit_wait(10) == 10.0
+
+
+def test_the_main_process_notes_no_array_sent(monkeypatch):
+    # Its queues flush at exit after the library has closed its segment: it could not wait for its receivers.
+    from cupy_ipc import _sent
+
+    monkeypatch.setattr(_sent, "_child", None)
+    monkeypatch.setattr(_sent, "_sent", set())
+    _sent.note(5)
+    assert _sent._child is False and not _sent._sent
+
+
+def test_the_arrays_a_child_awaits_at_exit_keep_those_not_opened_when_pruned(monkeypatch):
+    from cupy_ipc import _sent
+
+    opened = set(range(0, 2000, 2))  # every other export has been opened
+    monkeypatch.setattr(_sent, "_child", True)
+    monkeypatch.setattr(_sent, "_sent", set())
+    monkeypatch.setattr(_sent, "_prune_at", 1024)
+    monkeypatch.setattr(_sent._keepalive, "awaiting", lambda ids: ([i for i in ids if i not in opened], set()))
+    for export_id in range(1, 2000):
+        _sent.note(export_id)
+    assert {i for i in range(1, 2000) if i not in opened} <= _sent._sent  # every one not opened is kept
+    assert len(_sent._sent) < 1500  # and opened ones went

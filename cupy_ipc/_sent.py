@@ -1,0 +1,94 @@
+"""Arrays sent in messages, which a process started by :mod:`multiprocessing` awaits at its exit.
+
+CUDA frees a process's memory when it exits. An array it sent that its receiver opens after that raises
+:class:`ProducerExitedError` there, and in a ``Pool``'s result handler, the thread that reads results, that
+error ends the thread: the pool then waits for ever. A worker that returns its result and ends (one of a
+``Pool`` with ``maxtasksperchild``, a ``Process`` whose target puts its result on a queue) raced its
+receiver that way. An array opened before keeps its memory (the driver holds it for the mapping: measured
+on an H200 with the sender killed), so such a process, at its exit, once its queues have flushed, waits
+until every array it sent has been opened or refused (revoked, past its lease), its parent has ended, or
+:func:`set_exit_wait` seconds have passed; then until its GPUs have finished the work queued on memory still
+pinned, which the process's end would otherwise cut short.
+
+The main process does not wait: it closes its segment at exit before its queues flush, so an array it sends
+must be received before it ends (as the standard module asks of any message, by joining its receivers).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.util
+import time
+
+from . import _cuda, _fork, _keepalive
+from ._args import checked_wait
+from ._errors import warn_quietly
+
+__all__ = ["note", "set_exit_wait"]
+
+_wait = 10.0
+_sent: set[int] = set()  # export ids of arrays sent; pruned of opened ones as it grows
+_prune_at = 1024
+_child: bool | None = None  # whether this process waits: one started by multiprocessing
+_any = False  # whether it has sent an array
+
+
+def set_exit_wait(seconds: float) -> float:
+    """Wait at most ``seconds`` at this process's exit for the receivers of the arrays it sent to open them
+    (default 10; ``0``: no wait; ``math.inf``: until they are opened or refused); returns the old setting.
+    Only a process started by :mod:`multiprocessing` waits (see the module's notes).
+
+    Example:
+        >>> set_exit_wait(2.5)
+        10.0
+        >>> set_exit_wait(10)
+        2.5
+    """
+    global _wait
+    old, _wait = _wait, checked_wait(seconds, "the exit wait")
+    return old
+
+
+def note(export_id: int) -> None:
+    """Export ``export_id`` was sent in a message: in a process started by multiprocessing, await it at exit."""
+    global _child, _prune_at, _any
+    if _child is None:  # (known once the process runs its target: not yet while its module is imported)
+        _child = multiprocessing.parent_process() is not None
+    if not _child or not export_id:  # (no export id: sent with keep-alive off, nothing to await)
+        return
+    _any = True
+    _sent.add(export_id)
+    if len(_sent) >= _prune_at:
+        seen = set(_sent)  # (a copy: another thread may add meanwhile, and what it adds stays)
+        _sent.difference_update(seen.difference(_keepalive.awaiting(seen)[0]))
+        _prune_at = max(1024, 2 * len(_sent))
+
+
+def _await_receivers() -> None:
+    if not _any or _fork.forked_after_cuda():
+        return
+    try:
+        deadline = time.monotonic() + _wait
+        parent = multiprocessing.parent_process()
+        while True:
+            left, devices = _keepalive.awaiting(_sent)
+            if not left or (parent is not None and not parent.is_alive()):
+                break
+            if time.monotonic() >= deadline:
+                warn_quietly(f"process {multiprocessing.current_process().name} exits with {len(left)} array(s) it "
+                             f"sent that no receiver opened within {_wait:g} s: opening them will raise "
+                             "ProducerExitedError (receive messages before joining their sender, or raise "
+                             "cupy_ipc.multiprocessing.set_exit_wait)")
+                break
+            time.sleep(0.002)
+        for device in sorted(devices):
+            with _cuda.using_device(device):
+                _cuda.rt().deviceSynchronize()
+    except Exception as e:  # noqa: BLE001 - at exit: say so, and let the process end
+        warn_quietly(f"could not await the receivers of the arrays this process sent: {e}")
+
+
+# Registered now, not at the first array sent: a queue pickles on its own thread, which may send the first
+# array after the exit has begun running the finalizers. Run after the queues' own, which flush what they
+# hold (priority -5 joins their threads).
+multiprocessing.util.Finalize(None, _await_receivers, exitpriority=-10)
