@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import errno
 import hmac
+import itertools
 import os
 import secrets
 import select
@@ -71,6 +72,9 @@ _connections: dict[bytes, tuple[threading.Lock, socket.socket]] = {}  # consumer
 _PRUNE_FROM = 16
 _prune_at = _PRUNE_FROM
 _accepted: set[socket.socket] = set()  # producer: connections being served
+# The ids of the memory this process exports, pools and runs of pieces of virtual memory alike, never reused: a
+# request's key is made from the id alone, so an id shared by two would let the key sent for one fetch the other.
+resource_ids = itertools.count(1)
 
 
 def _name(token: bytes) -> bytes:

@@ -11,7 +11,6 @@ producer may free the allocation (the keep-alive pin sees to that).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import sys
 import threading
@@ -27,7 +26,7 @@ __all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received
 
 EXPORT_BYTES = 64
 _lock = threading.Lock()
-_ids = itertools.count(1)
+_ids = _fdserver.resource_ids  # one sequence for pools and virtual memory (see there)
 # producer: pool handle -> (descriptor, pool id); also pools imported here whose allocations it sends on
 _exports: dict[int, tuple[int, int]] = {}
 # consumer: (producer token, pool id) -> (pool, descriptor, producer pid)

@@ -18,7 +18,6 @@ as exported allocations are still mapped.
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import threading
@@ -33,7 +32,7 @@ __all__ = ["allocate", "allocation_prop", "export", "export_pieces", "exported_r
            "is_vmm", "pieces_id", "pieces_of", "still_mapped", "sweep", "sweep_if_grown", "unmap"]
 
 _lock = threading.Lock()
-_ids = itertools.count(1)
+_ids = _fdserver.resource_ids  # one sequence for pools and virtual memory (see there)
 # producer: allocation id -> (descriptor, (base, buffer id, allocation handle)). PyTorch's expandable
 # segments map new allocations at freed addresses, so the address alone does not name an allocation, nor
 # does the handle with it: handle values are reused once an allocation is released (seen on an H200: three

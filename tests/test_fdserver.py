@@ -6,6 +6,8 @@ producer's server for the descriptors. These tests serve ordinary descriptors (m
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import os
 import signal
 import socket
@@ -196,6 +198,85 @@ def _ended_by_server(s: socket.socket, within: float = 10.0) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+class _Driver:
+    """The CUDA driver calls that export a pool and an allocation of virtual memory, each export a copy of a
+    memfd that stands for the memory."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUmemAllocationHandleType:
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+    class CUpointer_attribute:  # noqa: N801 - the driver's names
+        CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES = 1
+
+    CUmemoryPool = int
+
+    def __init__(self, pool: int, memory: int) -> None:
+        self.pool, self.memory = pool, memory
+        self.export_data = ctypes.create_string_buffer(64)
+
+    def cuPointerGetAttribute(self, attribute, ptr):  # noqa: N802
+        return 0, 1
+
+    def cuMemPoolExportToShareableHandle(self, pool, kind, flags):  # noqa: N802
+        return 0, os.dup(self.pool)
+
+    def cuMemPoolExportPointer(self, ptr):  # noqa: N802
+        return 0, type("Data", (), {"getPtr": lambda _: ctypes.addressof(self.export_data)})()
+
+    def cuMemRetainAllocationHandle(self, base):  # noqa: N802
+        return 0, 0x77
+
+    def cuMemRelease(self, handle):  # noqa: N802
+        return (0,)
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle):  # noqa: N802
+        return 0, type("Prop", (), {"requestedHandleTypes": 1})()
+
+    def cuMemExportToShareableHandle(self, handle, kind, flags):  # noqa: N802
+        return 0, os.dup(self.memory)
+
+
+def _export_a_pool_and_virtual_memory(conn) -> None:
+    """A new process's first exports, a pool and an allocation of virtual memory: sends the address that goes
+    with an array of the pool, the pool's id, both descriptors' numbers; serves until told to exit."""
+    from cupy_ipc import _cuda, _pools, _vmm
+    from cupy_ipc.multiprocessing import _exported
+
+    pool, memory = _memfd(b"pool"), _memfd(b"virtual memory")
+    driver = _Driver(pool, memory)
+    _cuda._driver = lambda: driver
+    _, pool_fd, pool_id = _pools.export(0x1000, 0x5000)
+    memory_fd, _ = _vmm.export(0x7F0000000000, 5)
+    conn.send((serve(_exported, pool_id), pool_id, pool_fd, memory_fd))
+    conn.recv()
+
+
+def test_the_key_sent_with_an_array_of_a_pool_fetches_no_virtual_memory():
+    # Pools and allocations of virtual memory were numbered apart, each from 1: the first of each that a
+    # process exported had one id, so the key of an array of the pool was the allocation's key too.
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    producer = ctx.Process(target=_export_a_pool_and_virtual_memory, args=(theirs,))
+    producer.start()
+    try:
+        assert ours.poll(60), "the producer sent nothing"
+        address, pool_id, pool_fd, memory_fd = ours.recv()
+        (got,) = fetch(address, producer.pid, [pool_fd], pool_id)
+        assert _read(got) == b"pool"
+        os.close(got)
+        with pytest.raises(IpcError, match="no longer shares this memory"):
+            os.close(*fetch(address, producer.pid, [memory_fd], pool_id))
+    finally:
+        ours.send("exit")
+        producer.join(30)
+        if producer.is_alive():
+            producer.kill()
+            producer.join(30)
 
 
 def test_connections_that_send_nothing_or_a_wrong_secret_or_are_too_many_are_closed(monkeypatch):
