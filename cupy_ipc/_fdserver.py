@@ -192,10 +192,13 @@ def _serve_requests(conn: socket.socket, secret: bytes) -> None:
                 sent = _checked_allowed(numbers, resource)
                 if sent:
                     # Without waiting, holding the lock: a consumer that leaves its answers unread is dropped.
-                    # Each message of the answer says how many descriptors it carries.
+                    # Non-blocking, as MSG_DONTWAIT is not: Python waits for a socket with a time-out to take
+                    # more before it sends. Each message of the answer says how many descriptors it carries.
+                    conn.setblocking(False)
                     for k in range(0, n, _PER_MESSAGE):
                         part = numbers[k:k + _PER_MESSAGE]
-                        socket.send_fds(conn, [_COUNT.pack(len(part))], part, socket.MSG_DONTWAIT)
+                        socket.send_fds(conn, [_COUNT.pack(len(part))], part)
+                    conn.settimeout(_IDLE_S)
             if sent:
                 _count(n)
             else:

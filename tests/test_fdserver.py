@@ -6,6 +6,7 @@ producer's server for the descriptors. These tests serve ordinary descriptors (m
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -303,6 +304,37 @@ def test_connections_that_send_nothing_or_a_wrong_secret_or_are_too_many_are_clo
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_consumer_that_leaves_its_answers_unread_holds_up_no_one():
+    # The server sends descriptors holding the lock that every request's check and send and every close of an
+    # exported descriptor take: it must drop a consumer whose answers fill its socket rather than wait for it
+    # (it waited up to the idle time-out, 300 s, as its socket had a time-out).
+    from cupy_ipc import _fdserver
+
+    fd = _memfd(b"served")
+    address = serve(lambda fds, _: fds == [fd])
+    greedy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    greedy.connect(address[:-16])
+    greedy.setblocking(False)
+    request = _fdserver._REQUEST.pack(address[-16:], 1, 0) + struct.pack("<i", fd)
+    closing = threading.Thread(target=_fdserver.retire, args=([os.dup(fd)],))
+    try:
+        with contextlib.suppress(OSError):
+            for _ in range(100_000):  # until the server reads no more (or drops the connection)
+                greedy.send(request)
+        time.sleep(0.5)  # the server answers what it read
+        closing.start()
+        closing.join(5)
+        assert not closing.is_alive(), "closing an exported descriptor waited for a consumer's reading"
+        (got,) = fetch(address, os.getpid(), [fd])
+        assert _read(got) == b"served"
+        os.close(got)
+    finally:
+        greedy.close()  # which ends a wait for it
+        if closing.ident is not None:
+            closing.join(30)
+        os.close(fd)
 
 
 def test_a_request_without_the_servers_secret_or_for_other_memory_is_refused():
