@@ -94,6 +94,9 @@ def serve(allowed: Callable[[list[int], int], bool], resource: int = 0) -> bytes
     this process) back the memory this process exports under id ``resource``
     (a pool's or a run of pieces'); no other descriptor is ever handed out.
     The latest call's ``allowed`` applies.
+
+    Raises:
+        IpcError: The server's socket could not be opened (this process is at its open-file limit, say).
     """
     global _server, _allowed
     with _lock:
@@ -101,12 +104,19 @@ def serve(allowed: Callable[[list[int], int], bool], resource: int = 0) -> bytes
         if _server is not None:
             return _server[0] + _key(_server[2], resource)
         name, secret = _name(this_process().token), secrets.token_bytes(_SECRET_BYTES)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener = _new_socket()
         listener.bind(name)
         listener.listen(64)
         _server = (name, listener, secret)
     threading.Thread(target=_accept, args=(listener, secret), name="cupy_ipc-fd-server", daemon=True).start()
     return name + _key(secret, resource)
+
+
+def _new_socket() -> socket.socket:
+    try:
+        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as e:  # at the open-file limit, say
+        raise IpcError(f"could not open a socket to pass the memory's descriptors: {os.strerror(e.errno or 0)}") from e
 
 
 def _accept(listener: socket.socket, secret: bytes) -> None:
@@ -242,7 +252,7 @@ def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
         hit = _connections.get(name)
     if hit is not None:
         return hit
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = _new_socket()
     sock.settimeout(TIMEOUT_S)  # a producer that is alive but does not answer must not hang us
     try:
         _connect(sock, name)

@@ -617,6 +617,29 @@ def test_descriptors_dropped_at_the_open_file_limit_are_reported():
     assert again == "served", line
 
 
+def test_a_process_at_its_open_file_limit_gets_the_librarys_error_from_fetch_and_serve():
+    # Neither could open its socket, and the OSError escaped: a receiver catching IpcError missed it.
+    fd = _memfd(b"served")
+    name = serve(lambda fds, _: fds == [fd])
+    r, w = os.pipe()
+
+    def child() -> str:
+        outcomes = []
+        with _at_the_open_file_limit():  # the parent's server and connections are not the child's: it opens its own
+            for call in (lambda: fetch(name, os.getppid(), [fd]), lambda: serve(lambda *_: False)):
+                try:
+                    call()
+                    outcomes.append("no error")
+                except Exception as e:  # noqa: BLE001 - its type is the point
+                    outcomes.append(f"{type(e).__name__}: {e}")
+        return "|".join(outcomes)
+
+    line = _child_line(child, r, w, fd)
+    fetched, served = line.split("|")
+    assert fetched.startswith("IpcError: ") and "Too many open files" in fetched, line
+    assert served.startswith("IpcError: ") and "Too many open files" in served, line
+
+
 def test_the_server_outlives_a_failed_accept():
     # A producer at its open-file limit cannot accept a connection: its server waits and accepts it later,
     # rather than ending and leaving every later consumer waiting on a socket nobody serves. (The accept
