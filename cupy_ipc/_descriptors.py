@@ -226,7 +226,10 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
     # reused, while the socket waits for its reader.
     fds = _fdserver.copies(handle._descriptors) if hasattr(handle, "_descriptors") else []
     try:
-        socket.send_fds(sock, [_HEAD.pack(len(data), len(fds)), data], fds[:_FDS_PER_MESSAGE])
+        message = _HEAD.pack(len(data), len(fds)) + data
+        sent = socket.send_fds(sock, [message], fds[:_FDS_PER_MESSAGE])
+        if sent < len(message):  # a socket with a time-out, or interrupted, takes part of what does not fit
+            sock.sendall(message[sent:])
         for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # the kernel passes at most 253 per message
             socket.send_fds(sock, [b"+"], fds[k:k + _FDS_PER_MESSAGE])
     finally:

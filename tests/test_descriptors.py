@@ -456,3 +456,53 @@ def test_descriptors_dropped_at_the_open_file_limit_are_reported_and_the_next_ha
     first, _, second = line.partition("|")
     assert "open-file limit" in first, line
     assert second == "TWO", line
+
+
+def test_a_handle_sent_into_a_nearly_full_socket_arrives_whole():
+    # The kernel takes part of a message that does not fit a socket with a time-out (or one interrupted): the
+    # rest of the handle was never sent, and the next message's bytes took its place in the stream.
+    import resource
+    import threading
+    import time
+
+    pieces = 1000  # a handle of 24 KiB, three times the smallest send buffer; four descriptors a piece here
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * pieces + 256
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"needs {want} open files; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    one = _memfd(b"piece")
+    fds = [os.dup(one) for _ in range(pieces)]
+    h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=64 * pieces, shape=(16,), strides=(4,),
+                       dtype="float32", device=(0, bytes(16)), producer=(os.getpid(), b"t" * 16, b"b" * 16, "h"),
+                       kind=Kind.VMM, fd=fds[0], resource=1, more=[(fd, 64) for fd in fds[1:]])
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # (the kernel makes it 8 KiB)
+    a.settimeout(10)
+    got: list[object] = []
+
+    def receive() -> None:
+        time.sleep(0.3)  # the sender meets a full socket
+        try:
+            got.append(cupy_ipc.recv_handle(b))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            got.append(e)
+
+    reader = threading.Thread(target=receive)
+    try:
+        h._adopt_descriptors([os.dup(fd) for fd in fds])
+        reader.start()
+        cupy_ipc.send_handle(a, h)
+        reader.join(10)
+        assert len(got) == 1 and isinstance(got[0], IpcArrayHandle), got
+        received = got[0]._take_fds()
+        assert len(received) == pieces and _read(received[-1]) == b"piece"
+        for fd in received:
+            os.close(fd)
+    finally:
+        a.close()
+        b.close()
+        for fd in [one, *fds]:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
