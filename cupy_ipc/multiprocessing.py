@@ -359,6 +359,8 @@ def _reduce_cupy_event(event: Any) -> tuple[Any, tuple[bytes]]:
     try:
         handle = export_event(event.ptr, runtime.getDevice(), block=False)
     except IpcError as e:
+        if e.cuda_error is None:  # not CUDA's refusal of the event (this process is exiting, say): as it is
+            raise
         raise IpcError(
             "this cupy.cuda.Event cannot be sent to another process: create it with "
             "cupy.cuda.Event(disable_timing=True, interprocess=True), or use cupy_ipc.IpcEvent",

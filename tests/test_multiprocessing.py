@@ -510,3 +510,23 @@ def test_the_arrays_a_child_awaits_at_exit_keep_those_not_opened_when_pruned(mon
         _sent.note(export_id)
     assert {i for i in range(1, 2000) if i not in opened} <= _sent._sent  # every one not opened is kept
     assert len(_sent._sent) < 1500  # and opened ones went
+
+
+@pytest.mark.parametrize("cuda_error", [None, "cudaErrorInvalidResourceHandle"])
+def test_only_cudas_refusal_of_an_event_is_told_to_use_an_interprocess_one(monkeypatch, cuda_error):
+    # Every error of the export said to create the event with interprocess=True, also one that had nothing to
+    # do with the event (this process exiting, its segment not made).
+    import cupy
+
+    def refused(ptr, device, block):
+        raise cupy_ipc.IpcError("the export failed", cuda_error=cuda_error)
+
+    monkeypatch.setattr(mp, "export_event", refused)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    class Event:  # (no GPU here: what the reducer reads of a cupy.cuda.Event)
+        ptr = 0
+
+    with pytest.raises(cupy_ipc.IpcError) as e:
+        mp._reduce_cupy_event(Event())
+    told = "interprocess=True" in str(e.value)
+    assert told == (cuda_error is not None), e.value
