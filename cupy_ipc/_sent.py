@@ -71,7 +71,7 @@ def _await_receivers() -> None:
         deadline = time.monotonic() + _wait
         parent = multiprocessing.parent_process()
         while True:
-            left, devices = _keepalive.awaiting(_sent)
+            left, devices = _keepalive.awaiting(tuple(_sent))  # (a copy: a thread still running may send more)
             if not left or (parent is not None and not parent.is_alive()):
                 break
             if time.monotonic() >= deadline:
