@@ -490,11 +490,17 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
             )
         ]
     report["problems"] = _problems(report)
-    available = [m for m in report["modes"] if m["available"]]
-    # A GPU left out of the self-tests for its compute mode cannot share its memory: not every mode works.
-    report["ok"] = (report["gpu_error"] is None and bool(available) and all(m["works"] for m in available)
-                    and all(g["compute_mode"] == "default" for g in report["gpus"]))
+    report["ok"] = _ok(report)
     return report
+
+
+def _ok(report: dict[str, Any]) -> bool:
+    """Whether every available mode works on every GPU: the exit status's verdict."""
+    available = [m for m in report["modes"] if m["available"]]
+    # A GPU left out of the self-tests for its compute mode (prohibited) cannot share its memory: not every mode
+    # works. An exclusive one was self-tested, which shows whether an MPS server lets it share.
+    return (report["gpu_error"] is None and bool(available) and all(m["works"] for m in available)
+            and all(g["compute_mode"] != "prohibited" for g in report["gpus"]))
 
 
 def render(report: dict[str, Any]) -> str:

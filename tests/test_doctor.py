@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from cupy_ipc._cuda import unavailable_reason
-from cupy_ipc._doctor import _problems, render
+from cupy_ipc._doctor import _ok, _problems, render
 
 HOST_KEYS = {"platform": str, "machine": str, "kernel": str, "python": str, "bits": int, "wsl": bool}
 GPU_KEYS = {"ordinal": int, "name": str, "uuid": str, "memory_bytes": int, "compute_capability": str,
@@ -92,7 +92,7 @@ def _report(**changes):
             node = node[p] if not p.isdigit() else node[int(p)]
         node[key] = value
     report["problems"] = _problems(report)
-    report["ok"] = all(m["works"] for m in report["modes"] if m["available"])
+    report["ok"] = _ok(report)
     return report
 
 
@@ -141,6 +141,24 @@ def test_an_exclusive_gpu_is_a_problem_unless_the_self_test_shared_memory_on_it(
     problem = report["problems"][0]
     assert problem["what"] == "GPU 0 compute mode exclusive-process"
     assert "MPS" in problem["cause"] and "nvidia-smi -i 0 -c DEFAULT" in problem["remedy"]
+
+
+def test_an_exclusive_gpu_that_shares_memory_under_mps_gets_a_verdict_that_it_works():
+    # Its self-tests passed and no problem is listed: the verdict and the exit status must not say it fails.
+    report = _report(gpus__0__compute_mode="exclusive-process")
+    assert report["problems"] == [] and report["ok"] is True
+    assert render(report).endswith("verdict: every available mode works")
+    failing = _report(gpus__0__compute_mode="exclusive-process", modes__0__works=False, modes__0__cause="c",
+                      modes__0__remedy="r")
+    assert failing["ok"] is False
+
+
+def test_a_prohibited_gpu_fails_the_verdict_though_the_other_gpus_work():
+    report = _report()
+    report["gpus"].append({**report["gpus"][0], "ordinal": 1, "uuid": "GPU-1", "compute_mode": "prohibited"})
+    report["peer_access"] = [[None, True], [True, None]]
+    assert _ok(report) is False
+    assert not _ok({**report, "gpu_error": "no GPU"}) and not _ok({**report, "modes": []})
 
 
 def test_gpus_without_peer_access_are_a_problem_with_a_remedy():
