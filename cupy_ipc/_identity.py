@@ -41,7 +41,8 @@ def _read_boot_id() -> bytes:
 
 def host_name() -> str:
     """This host's name, cut to the width the wire format keeps."""
-    return socket.gethostname().encode()[:_HOST_BYTES].decode(errors="ignore")
+    # Bytes of a name that are not UTF-8 come as surrogate escapes, which text cannot carry: they are dropped.
+    return socket.gethostname().encode(errors="surrogateescape")[:_HOST_BYTES].decode(errors="ignore")
 
 
 _BOOT_ID = _read_boot_id()
