@@ -108,8 +108,9 @@ def _no_export_left_pinned(request: pytest.FixtureRequest):
 @pytest.fixture
 def ctrl_c_while_locked():
     """A context manager whose block must be interrupted (``KeyboardInterrupt``): another thread holds the
-    library's lock for 0.6 s, as an import does while it waits for a close, and SIGINT (Ctrl-C) comes to the
-    main thread 0.2 s in, while the block waits for that lock."""
+    library's lock, as an import does while it waits for a close, and SIGINT (Ctrl-C) comes to the main thread
+    0.2 s in, while the block waits for that lock. The lock is held until the signal has been sent (and 0.2 s
+    more), however late a loaded machine runs the thread that sends it."""
     import contextlib
     import signal
     import threading
@@ -118,24 +119,32 @@ def ctrl_c_while_locked():
 
     @contextlib.contextmanager
     def interrupted():
-        locked = threading.Event()
+        locked, sent = threading.Event(), threading.Event()
 
         def hold_the_lock_a_while() -> None:
             with _mapping._lock:
                 locked.set()
-                time.sleep(0.6)
+                sent.wait(30)
+                time.sleep(0.2)
 
+        def ctrl_c() -> None:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            sent.set()
+
+        # Python's own handler, also where SIGINT came ignored (a test run started in the background by a shell).
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         holder = threading.Thread(target=hold_the_lock_a_while)
         holder.start()
         assert locked.wait(10)
-        ctrl_c = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-        ctrl_c.start()
+        timer = threading.Timer(0.2, ctrl_c)
+        timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
                 yield
         finally:
-            holder.join(10)
-            ctrl_c.join(10)
+            timer.join(30)
+            holder.join(30)
+            signal.signal(signal.SIGINT, handler)
 
     return interrupted
 

@@ -120,6 +120,47 @@ def test_many_descriptors_cross_in_several_messages():
             os.close(fd)
 
 
+class _Driver:
+    """The CUDA driver calls that export a pool and an allocation of virtual memory, each export a copy of a
+    memfd that stands for the memory."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUmemAllocationHandleType:
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+    class CUpointer_attribute:  # noqa: N801 - the driver's names
+        CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES = 1
+
+    CUmemoryPool = int
+
+    def __init__(self, pool: int, memory: int) -> None:
+        self.pool, self.memory = pool, memory
+        self.export_data = ctypes.create_string_buffer(64)
+
+    def cuPointerGetAttribute(self, attribute, ptr):  # noqa: N802
+        return 0, 1
+
+    def cuMemPoolExportToShareableHandle(self, pool, kind, flags):  # noqa: N802
+        return 0, os.dup(self.pool)
+
+    def cuMemPoolExportPointer(self, ptr):  # noqa: N802
+        return 0, type("Data", (), {"getPtr": lambda _: ctypes.addressof(self.export_data)})()
+
+    def cuMemRetainAllocationHandle(self, base):  # noqa: N802
+        return 0, 0x77
+
+    def cuMemRelease(self, handle):  # noqa: N802
+        return (0,)
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle):  # noqa: N802
+        return 0, type("Prop", (), {"requestedHandleTypes": 1})()
+
+    def cuMemExportToShareableHandle(self, handle, kind, flags):  # noqa: N802
+        return 0, os.dup(self.memory)
+
+
 def test_a_handle_of_our_virtual_memory_freed_since_is_not_sent(monkeypatch):
     # Freeing the memory closes its export's descriptor; a later file may take the number. Sending the
     # handle then must not pass that file on: the numbers are checked against the exports, and copied, under
@@ -128,27 +169,7 @@ def test_a_handle_of_our_virtual_memory_freed_since_is_not_sent(monkeypatch):
     from cupy_ipc._identity import this_process
 
     r, w = os.pipe()
-
-    class Driver:
-        class CUresult:
-            CUDA_SUCCESS = 0
-
-        class CUmemAllocationHandleType:
-            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
-
-        def cuMemRetainAllocationHandle(self, base):  # noqa: N802 - the driver's names
-            return 0, 0x77
-
-        def cuMemRelease(self, handle):  # noqa: N802
-            return (0,)
-
-        def cuMemGetAllocationPropertiesFromHandle(self, handle):  # noqa: N802
-            return 0, type("Prop", (), {"requestedHandleTypes": 1})()
-
-        def cuMemExportToShareableHandle(self, handle, kind, flags):  # noqa: N802
-            return 0, os.dup(r)
-
-    monkeypatch.setattr(_vmm._cuda, "_driver", lambda: Driver())
+    monkeypatch.setattr(_vmm._cuda, "_driver", lambda: _Driver(r, r))
     monkeypatch.setattr(_vmm, "_unmap", lambda ptr, sizes, total: [0])
     base = 0x7F0000000000
     fd, alloc_id = _vmm.export(base, 5)

@@ -7,7 +7,6 @@ producer's server for the descriptors. These tests serve ordinary descriptors (m
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import signal
@@ -22,7 +21,7 @@ import pytest
 from cupy_ipc import IpcError, ProducerExitedError
 from cupy_ipc._fdserver import fetch, serve
 
-from test_descriptors import _as_nobody, _at_the_open_file_limit, _memfd, _read, may_switch_user  # noqa: F401
+from test_descriptors import _as_nobody, _at_the_open_file_limit, _Driver, _memfd, _read, may_switch_user  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux descriptors")
 
@@ -199,47 +198,6 @@ def _ended_by_server(s: socket.socket, within: float = 10.0) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-class _Driver:
-    """The CUDA driver calls that export a pool and an allocation of virtual memory, each export a copy of a
-    memfd that stands for the memory."""
-
-    class CUresult:
-        CUDA_SUCCESS = 0
-
-    class CUmemAllocationHandleType:
-        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
-
-    class CUpointer_attribute:  # noqa: N801 - the driver's names
-        CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES = 1
-
-    CUmemoryPool = int
-
-    def __init__(self, pool: int, memory: int) -> None:
-        self.pool, self.memory = pool, memory
-        self.export_data = ctypes.create_string_buffer(64)
-
-    def cuPointerGetAttribute(self, attribute, ptr):  # noqa: N802
-        return 0, 1
-
-    def cuMemPoolExportToShareableHandle(self, pool, kind, flags):  # noqa: N802
-        return 0, os.dup(self.pool)
-
-    def cuMemPoolExportPointer(self, ptr):  # noqa: N802
-        return 0, type("Data", (), {"getPtr": lambda _: ctypes.addressof(self.export_data)})()
-
-    def cuMemRetainAllocationHandle(self, base):  # noqa: N802
-        return 0, 0x77
-
-    def cuMemRelease(self, handle):  # noqa: N802
-        return (0,)
-
-    def cuMemGetAllocationPropertiesFromHandle(self, handle):  # noqa: N802
-        return 0, type("Prop", (), {"requestedHandleTypes": 1})()
-
-    def cuMemExportToShareableHandle(self, handle, kind, flags):  # noqa: N802
-        return 0, os.dup(self.memory)
 
 
 def _export_a_pool_and_virtual_memory(conn) -> None:
