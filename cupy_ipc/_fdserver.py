@@ -324,13 +324,22 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: one that has exited but that its parent has not waited for yet (a zombie,
+    as a multiprocessing child is until joined) exists, and has gone all the same."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:  # gone since
+        return False
+    except OSError:  # no /proc here: the signal's answer stands
         return True
-    return True
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")  # (the state follows the name, which may hold ")")
 
 
 def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> list[int]:

@@ -787,3 +787,25 @@ def test_descriptors_are_asked_of_the_producer_before_the_librarys_lock_is_taken
     finally:
         h.close()
         os.close(fd)
+
+
+def test_a_producer_that_has_exited_but_was_not_waited_for_is_told_as_exited():
+    # A child that exits stays a zombie until its parent waits for it (a multiprocessing child until joined):
+    # the signal test took it for alive, and a receiver that could not reach its server was told "could not
+    # reach producer" instead of ProducerExitedError.
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1][1:2] == b"Z":
+                    break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the child did not exit")
+        with pytest.raises(ProducerExitedError, match=f"producer process {child.pid} has exited"):
+            fetch(b"\0cupy_ipc-no-server-" + bytes(16), child.pid, [3])
+    finally:
+        child.wait()
