@@ -96,7 +96,8 @@ def serve(allowed: Callable[[list[int], int], bool], resource: int = 0) -> bytes
     The latest call's ``allowed`` applies.
 
     Raises:
-        IpcError: The server's socket could not be opened (this process is at its open-file limit, say).
+        IpcError: The server's socket could not be opened (this process is at its open-file limit, say) or
+            bound to its name.
     """
     global _server, _allowed
     with _lock:
@@ -105,8 +106,12 @@ def serve(allowed: Callable[[list[int], int], bool], resource: int = 0) -> bytes
             return _server[0] + _key(_server[2], resource)
         name, secret = _name(this_process().token), secrets.token_bytes(_SECRET_BYTES)
         listener = _new_socket()
-        listener.bind(name)
-        listener.listen(64)
+        try:
+            listener.bind(name)
+            listener.listen(64)
+        except OSError as e:  # its name taken (by a process that has this one's token: a copy of its handle)
+            listener.close()
+            raise IpcError(f"could not start this process's descriptor server: {os.strerror(e.errno or 0)}") from e
         _server = (name, listener, secret)
     threading.Thread(target=_accept, args=(listener, secret), name="cupy_ipc-fd-server", daemon=True).start()
     return name + _key(secret, resource)

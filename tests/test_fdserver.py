@@ -809,3 +809,22 @@ def test_a_producer_that_has_exited_but_was_not_waited_for_is_told_as_exited():
             fetch(b"\0cupy_ipc-no-server-" + bytes(16), child.pid, [3])
     finally:
         child.wait()
+
+
+def test_a_server_whose_name_is_taken_raises_ipc_error_and_keeps_no_socket(monkeypatch):
+    # Any process may bind a name in the abstract namespace: the bind's OSError escaped, and its socket stayed.
+    from cupy_ipc import _fdserver
+
+    taken = b"\0cupy_ipc-taken-" + os.urandom(8).hex().encode()
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(taken)
+    monkeypatch.setattr(_fdserver, "_server", None)
+    monkeypatch.setattr(_fdserver, "_name", lambda token: taken)
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(IpcError, match="could not start this process's descriptor server"):
+            serve(lambda fds, resource: False)
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert _fdserver._server is None
+    finally:
+        squatter.close()
