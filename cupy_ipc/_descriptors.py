@@ -236,6 +236,13 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
         close_all(fds)
 
 
+def _check_count(fds: list[int], announced: int) -> None:
+    # At once, not once the handle is read: a peer could otherwise fill this process's open files first.
+    if len(fds) > announced:
+        raise IpcError(f"the peer sent more descriptors than the {announced} it announced with the handle: it is "
+                       "no handle sent with send_handle")
+
+
 def _check_socket(sock: Any, what: str) -> None:
     if not isinstance(sock, socket.socket):
         raise TypeError(f"{what} needs a socket, not {type(sock).__name__}")
@@ -278,10 +285,12 @@ def recv_handle(sock: socket.socket) -> Any:
             raise IpcError(f"the peer announced a handle of {n} bytes with {nfds} descriptors, more than any "
                            f"handle has ({MAX_WIRE_BYTES} bytes, {MAX_DESCRIPTORS} descriptors): it is no handle "
                            "sent with send_handle")
+        _check_count(fds, nfds)
         data = b""
         while len(data) < n:
             chunk, more, flags = recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
             fds += more
+            _check_count(fds, nfds)
             truncated |= flags & socket.MSG_CTRUNC
             if not chunk:
                 raise IpcError("the peer closed the socket in the middle of a handle")
@@ -291,6 +300,7 @@ def recv_handle(sock: socket.socket) -> Any:
         for _ in range(max(0, -(-nfds // _FDS_PER_MESSAGE) - 1)):
             marker, more, flags = recv_fds(sock, 1, _FDS_PER_MESSAGE)
             fds += more
+            _check_count(fds, nfds)
             truncated |= flags & socket.MSG_CTRUNC
             if not marker:
                 raise IpcError("the peer closed the socket before sending all descriptors")

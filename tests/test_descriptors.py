@@ -527,3 +527,22 @@ def test_a_handle_sent_into_a_nearly_full_socket_arrives_whole():
         for fd in [one, *fds]:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_recv_handle_stops_at_the_first_descriptor_more_than_announced():
+    # A peer could attach 253 descriptors to every byte of a handle: they were all taken (up to the open-file
+    # limit) before the count was checked, and a peer that then sent nothing more kept the receiver waiting.
+    from cupy_ipc._descriptors import _HEAD
+
+    a, b = socket.socketpair()
+    extra = [_memfd(b"x") for _ in range(3)]
+    with a, b:
+        b.settimeout(10)
+        before = len(os.listdir("/proc/self/fd"))
+        a.sendall(_HEAD.pack(100, 0))  # 100 bytes, no descriptor
+        socket.send_fds(a, [b"?"], extra)
+        with pytest.raises(IpcError, match="more descriptors than the 0 it announced"):
+            cupy_ipc.recv_handle(b)
+        assert len(os.listdir("/proc/self/fd")) == before
+    for fd in extra:
+        os.close(fd)
