@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ._demo import run_demo
@@ -18,10 +19,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return run_demo()
-    if args.command == "doctor":
-        return run_doctor(as_json=args.json)
-    return 2
+    return run_doctor(as_json=args.json)
+
+
+def _run() -> int:
+    try:
+        code = main()
+        sys.stdout.flush()  # here, where a reader that went away (`| head`) can be told apart
+    except BrokenPipeError:
+        # Not an error of this command: no traceback. Python flushes stdout again at exit, into nothing now.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run())

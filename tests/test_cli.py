@@ -35,3 +35,19 @@ def test_demo_on_a_gpu_checks_every_value_and_shows_each_step():
     steps = [line.rsplit(None, 2) for line in lines[1:-1]]
     assert len(steps) == 12 and all(unit == "ms" and float(ms) >= 0 for _, ms, unit in steps), r.stdout
     assert "re-sent array" in r.stdout and "new 1 MiB array" in r.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
+    # `python -m cupy_ipc doctor --json | head -c1`: the write into the closed pipe ended in BrokenPipeError's
+    # traceback. (The doctor's report needs no GPU.)
+    import os
+
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the command writes
+    try:
+        p = subprocess.run([sys.executable, "-m", "cupy_ipc", "doctor", "--json"], stdout=w, stderr=subprocess.PIPE,
+                           text=True, timeout=240)
+    finally:
+        os.close(w)
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr
