@@ -263,7 +263,9 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
             raise IpcError("all_gather failed: " + "; ".join(e for e in engine.objects(error) if e))
     finally:
         if gave_up:
-            result.close()
-            if mine is not None:  # not every peer opened it: let it go once those that did are done
-                mine.release()
+            try:
+                result.close()
+            finally:  # also if a close failed: pinned for peers that will not open it, it would stay for good
+                if mine is not None:  # not every peer opened it: let it go once those that did are done
+                    mine.release()
     return result

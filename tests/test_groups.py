@@ -225,3 +225,27 @@ def test_a_group_that_fails_while_gathering_the_handles_releases_this_ranks_expo
     with pytest.raises(RuntimeError, match="the group failed"):
         cupy_ipc.all_gather(a, BrokenComm(0, ["here", "here"]))
     assert len(cupy_ipc.pinned()) == before
+
+
+def test_a_failed_gather_whose_close_fails_still_releases_this_ranks_export(monkeypatch):
+    # The export's release came after the result's close, which a failed unmap can make raise: the export,
+    # pinned for peers that will not open it any more, then stayed pinned for good.
+    from cupy_ipc import _groups
+
+    released = []
+
+    class Export:
+        def to_bytes(self) -> bytes:
+            return b"handle"
+
+        def release(self) -> None:
+            released.append(True)
+
+    def failing_close(self) -> None:
+        raise cupy_ipc.IpcError("could not unmap")
+
+    monkeypatch.setattr(_groups, "get_ipc_handle", lambda array, consumers: Export())
+    monkeypatch.setattr(_groups.Gathered, "close", failing_close)
+    with pytest.raises(cupy_ipc.IpcError, match="could not unmap"):
+        cupy_ipc.all_gather(np.arange(3), BrokenComm(0, ["here", "here"]))
+    assert released == [True]
