@@ -47,14 +47,8 @@ def checked_lease(lease: Any) -> float | None:
     """
     if lease is None:
         return None
-    if isinstance(lease, bool) or not isinstance(lease, numbers.Real):
-        raise TypeError(f"lease must be a number of seconds or None, not {type(lease).__name__}")
-    if not lease > 0:  # NaN too
-        raise ValueError(f"lease must be a positive number of seconds (or None for no lease), not {lease}")
-    try:
-        return float(lease)
-    except OverflowError:  # an integer past the largest float: longer than any wait, as inf is
-        return math.inf
+    return _seconds(lease, "lease must be a number of seconds or None",
+                    "lease must be a positive number of seconds (or None for no lease)", positive=True)
 
 
 def checked_wait(seconds: Any, what: str) -> float:
@@ -68,11 +62,18 @@ def checked_wait(seconds: Any, what: str) -> float:
         >>> checked_wait(0, "exit wait")
         0.0
     """
-    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
-        raise TypeError(f"{what} must be a number of seconds, not {type(seconds).__name__}")
-    if not seconds >= 0:  # NaN too
-        raise ValueError(f"{what} must be zero or more seconds, not {seconds}")
+    return _seconds(seconds, f"{what} must be a number of seconds", f"{what} must be zero or more seconds",
+                    positive=False)
+
+
+def _seconds(value: Any, not_a_number: str, out_of_range: str, positive: bool) -> float:
+    """``value`` as a float of seconds, positive or (not ``positive``) zero or more; the errors say
+    ``not_a_number`` or ``out_of_range``, then what ``value`` was."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{not_a_number}, not {type(value).__name__}")
+    if not (value > 0 if positive else value >= 0):  # NaN too
+        raise ValueError(f"{out_of_range}, not {value}")
     try:
-        return float(seconds)
-    except OverflowError:
+        return float(value)
+    except OverflowError:  # an integer past the largest float: longer than any wait, as inf is
         return math.inf
