@@ -97,7 +97,7 @@ def serve(allowed: Callable[[list[int], int], bool], resource: int = 0) -> bytes
 
     Raises:
         IpcError: The server's socket could not be opened (this process is at its open-file limit, say) or
-            bound to its name.
+            bound to its name, or no thread could be started to serve it.
     """
     global _server, _allowed
     with _lock:
@@ -112,8 +112,13 @@ def serve(allowed: Callable[[list[int], int], bool], resource: int = 0) -> bytes
         except OSError as e:  # its name taken (by a process that has this one's token: a copy of its handle)
             listener.close()
             raise IpcError(f"could not start this process's descriptor server: {os.strerror(e.errno or 0)}") from e
+        # Started before the server is recorded, under the lock: an address handed out always has a server.
+        try:
+            threading.Thread(target=_accept, args=(listener, secret), name="cupy_ipc-fd-server", daemon=True).start()
+        except RuntimeError as e:  # no thread to be had ("can't start new thread")
+            listener.close()
+            raise IpcError(f"could not start this process's descriptor server: {e}") from e
         _server = (name, listener, secret)
-    threading.Thread(target=_accept, args=(listener, secret), name="cupy_ipc-fd-server", daemon=True).start()
     return name + _key(secret, resource)
 
 

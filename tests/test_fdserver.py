@@ -828,3 +828,31 @@ def test_a_server_whose_name_is_taken_raises_ipc_error_and_keeps_no_socket(monke
         assert _fdserver._server is None
     finally:
         squatter.close()
+
+
+def test_a_server_whose_thread_cannot_start_raises_ipc_error_and_a_later_export_starts_one(monkeypatch):
+    # The failed start left the server recorded: later exports handed out the address of a socket nobody served.
+    from cupy_ipc import _fdserver
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    name = b"\0cupy_ipc-threadless-" + os.urandom(8).hex().encode()
+    monkeypatch.setattr(_fdserver, "_server", None)
+    monkeypatch.setattr(_fdserver, "_name", lambda token: name)
+    r, w = os.pipe()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(threading.Thread, "start", no_thread)
+            before = len(os.listdir("/proc/self/fd"))
+            with pytest.raises(IpcError, match="could not start this process's descriptor server: can't start"):
+                serve(lambda fds, resource: False)
+            assert len(os.listdir("/proc/self/fd")) == before
+        got = fetch(serve(lambda fds, resource: fds == [r] and resource == 7, 7), os.getpid(), [r], 7)
+        assert os.path.samestat(os.fstat(got[0]), os.fstat(r))
+        os.close(got[0])
+    finally:
+        os.close(r)
+        os.close(w)
+        if _fdserver._server is not None:
+            _fdserver._server[1].close()
