@@ -8,6 +8,7 @@ self-test. Each problem found comes with its cause and a remedy.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -28,6 +29,8 @@ __all__ = ["build_report", "render", "run_doctor"]
 _COMPUTE_MODES = {0: "default", 1: "exclusive-thread", 2: "prohibited", 3: "exclusive-process"}
 _SELF_TEST_BYTES = 1 << 20
 _SELF_TEST_TRIPS = 20
+_ANSWER_S = 60.0  # for the self-test's consumer to answer one step
+_QUIT_S = 20.0  # for it to quit when asked, and again once killed
 
 # Remedies for the CUDA errors a self-test meets, by CUDA error name; the
 # causes are the hints the library's errors already carry (``_cuda._HINTS``).
@@ -225,8 +228,8 @@ def _sent(kind: str, device: int, handle: Any) -> tuple[str, int, bytes, bytes |
 
 def _ask(conn: Any, proc: Any, msg: Any) -> Any:
     conn.send(msg)
-    if not conn.poll(60):
-        raise TimeoutError("the self-test's consumer process did not answer within 60 s")
+    if not conn.poll(_ANSWER_S):
+        raise TimeoutError(f"the self-test's consumer process did not answer within {_ANSWER_S:g} s")
     try:
         status, value = conn.recv()
     except EOFError:
@@ -277,12 +280,6 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
 
     ``allocator`` (a ``malloc``) makes the arrays; default: CuPy's current one.
     """
-    import contextlib
-
-    import cupy
-
-    import cupy_ipc
-
     result: dict[str, Any] = {**mode, "round_trip_us": {}}
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
@@ -291,27 +288,7 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
         proc.start()
         child.close()  # so that a consumer that dies ends our waits
         for d in devices:
-            using = cupy.cuda.using_allocator(allocator) if allocator else contextlib.nullcontext()
-            with cupy.cuda.Device(d):
-                with using:
-                    a = cupy.arange(_SELF_TEST_BYTES // 8, dtype=cupy.int64)  # integer sums: exact on both sides
-                expected = float(a.sum())
-                if _ask(conn, proc, _sent("write", d, cupy_ipc.get_ipc_handle(a))) != expected:
-                    raise RuntimeError(f"GPU {d}: the consumer read other values than were written")
-                if float(a[0]) != -1:
-                    raise RuntimeError(f"GPU {d}: the consumer's write did not reach the producer's memory")
-                ev = cupy_ipc.IpcEvent()
-                ev.record()
-                _ask(conn, proc, _sent("event", d, ev.get_ipc_handle()))
-                ev.close()
-                a[0] = 7
-                times = []
-                for _ in range(_SELF_TEST_TRIPS):
-                    t = time.perf_counter()
-                    if _ask(conn, proc, _sent("array", d, cupy_ipc.get_ipc_handle(a))) != 7:
-                        raise RuntimeError(f"GPU {d}: the consumer read a wrong value")
-                    times.append(time.perf_counter() - t)
-                result["round_trip_us"][str(d)] = round(statistics.median(times) * 1e6, 1)
+            result["round_trip_us"][str(d)] = _share_on(conn, proc, d, allocator)
         result["works"] = True
         result["detail"] = "shared an array and an event with a spawned process, both directions, values checked"
     except Exception as e:  # the report explains it
@@ -321,15 +298,54 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
         result["remedy"] = _REMEDIES.get(
             name, "run `python -m cupy_ipc demo` to see the failing step; check the items above")
     finally:
-        if proc.is_alive():
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-            proc.join(20)
-        if proc.is_alive():
-            proc.kill()
+        _stop(conn, child, proc)
     return result
+
+
+def _share_on(conn: Any, proc: Any, d: int, allocator: Any) -> float:
+    """The self-test on GPU ``d`` with the consumer at ``conn``: its median round trip, in microseconds."""
+    import cupy
+
+    import cupy_ipc
+
+    using = cupy.cuda.using_allocator(allocator) if allocator else contextlib.nullcontext()
+    with cupy.cuda.Device(d):
+        with using:
+            a = cupy.arange(_SELF_TEST_BYTES // 8, dtype=cupy.int64)  # integer sums: exact on both sides
+        expected = float(a.sum())
+        if _ask(conn, proc, _sent("write", d, cupy_ipc.get_ipc_handle(a))) != expected:
+            raise RuntimeError(f"GPU {d}: the consumer read other values than were written")
+        if float(a[0]) != -1:
+            raise RuntimeError(f"GPU {d}: the consumer's write did not reach the producer's memory")
+        ev = cupy_ipc.IpcEvent()
+        ev.record()
+        _ask(conn, proc, _sent("event", d, ev.get_ipc_handle()))
+        ev.close()
+        a[0] = 7
+        times = []
+        for _ in range(_SELF_TEST_TRIPS):
+            t = time.perf_counter()
+            if _ask(conn, proc, _sent("array", d, cupy_ipc.get_ipc_handle(a))) != 7:
+                raise RuntimeError(f"GPU {d}: the consumer read a wrong value")
+            times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def _stop(conn: Any, child: Any, proc: Any) -> None:
+    """End the self-test's consumer, asked to or else killed, and wait for it; close both ends of its pipe
+    and the process's own descriptor. A long-lived process (a notebook, say) may run the doctor again and
+    again: nothing of a self-test may outlive it, however it ended."""
+    child.close()  # still open where the start failed
+    if proc.is_alive():
+        with contextlib.suppress(OSError):
+            conn.send(None)
+        proc.join(_QUIT_S)
+    if proc.is_alive():  # stuck, in the driver say
+        proc.kill()
+        proc.join(_QUIT_S)
+    conn.close()
+    if not proc.is_alive():  # one that outlives even SIGKILL cannot be closed
+        proc.close()
 
 
 def _descriptor_mode(usable: list[int], mode: dict[str, Any], self_test: bool, attribute: str, what: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import pytest
 
 from cupy_ipc._cuda import unavailable_reason
 from cupy_ipc._doctor import _ok, _problems, render
+
+from workers import answering_self_test_consumer, open_fds, stuck_self_test_consumer
 
 HOST_KEYS = {"platform": str, "machine": str, "kernel": str, "python": str, "bits": int, "wsl": bool}
 GPU_KEYS = {"ordinal": int, "name": str, "uuid": str, "memory_bytes": int, "compute_capability": str,
@@ -217,3 +220,41 @@ def test_segments_without_any_writable_directory_are_reported_not_raised(monkeyp
     assert segments["dir"] is None and segments["writable"] is False and segments["shared_memory"] is False
     report = {**_report(), "segments": segments}
     assert "no directory (NOT writable)" in render({**report, "problems": _problems(report)})
+
+
+def _children() -> list[int]:
+    """This process's child processes, those exited but never waited for (zombies) included."""
+    me = str(os.getpid()).encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone since
+            continue
+        if stat[stat.rfind(b")") + 2:].split()[1] == me:  # the parent's pid follows the state
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize("consumer,works", [(answering_self_test_consumer, True), (stuck_self_test_consumer, False)])
+def test_self_tests_run_again_and_again_leave_no_process_and_no_open_file(consumer, works, monkeypatch):
+    # A notebook may call the doctor many times: a consumer that did not answer was killed and never waited
+    # for, a zombie holding a descriptor here. Its GPU work is all that is stood in for; the processes are real.
+    from cupy_ipc import _doctor
+
+    def share_on(conn, proc, d, allocator):
+        return _doctor._ask(conn, proc, ("array", d, b"", None))
+
+    monkeypatch.setattr(_doctor, "_self_test_consumer", consumer)
+    monkeypatch.setattr(_doctor, "_share_on", share_on)
+    monkeypatch.setattr(_doctor, "_ANSWER_S", 0.2)
+    monkeypatch.setattr(_doctor, "_QUIT_S", 2.0 if works else 0.2)
+    _doctor._self_test([0], _doctor._LEGACY)  # starts multiprocessing's resource tracker, which stays
+    before = open_fds(), _children()
+    for _ in range(3):
+        result = _doctor._self_test([0], _doctor._LEGACY)
+        assert result["works"] is works, result
+        assert not works or result["round_trip_us"] == {"0": 0.0}
+        assert works or "did not answer within 0.2 s" in result["detail"]
+        assert (open_fds(), _children()) == before

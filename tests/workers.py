@@ -1059,3 +1059,15 @@ def gloo_engine_rank(rank: int, size: int, store: str, data: Any, fail: bool, co
         conn.send(("ok", out))
     except BaseException as e:  # noqa: BLE001 - reported to the test
         conn.send(("err", repr(e)))
+
+
+# --- stand-ins for the doctor's self-test consumer (which needs a GPU) ----------------
+def answering_self_test_consumer(conn: Any) -> None:
+    """One on a GPU that works: it answers each step, and quits when asked."""
+    while conn.recv() is not None:
+        conn.send(("ok", 0.0))
+
+
+def stuck_self_test_consumer(conn: Any) -> None:
+    """One hung (in the driver, say): it answers nothing, not even the request to quit."""
+    time.sleep(300)
