@@ -33,11 +33,13 @@ failure are released at once (the pickler's ``dump`` is wrapped for that);
 so are those of a message whose write fails (a pipe whose receiver died:
 connections' ``_send_bytes`` is wrapped too), when a queue, a pipe's
 ``send()`` or a pool pickled it (not bytes of your own ``dumps()``, which
-may be sent again elsewhere). An array that is sent but never received
-stays pinned in the sender, unless :func:`set_message_lease` gave it a
-lease. A process started by multiprocessing waits at its exit until the
-arrays it sent have been opened, for at most :func:`set_exit_wait` seconds
-(see ``cupy_ipc._sent``).
+may be sent again elsewhere); and those of a process's arguments
+(``spawn``, ``forkserver``) when it cannot be started (``Process.start()``
+raises ``OSError``: no process to be had, say). An array that is sent but
+never received stays pinned in the sender, unless
+:func:`set_message_lease` gave it a lease. A process started by
+multiprocessing waits at its exit until the arrays it sent have been
+opened, for at most :func:`set_exit_wait` seconds (see ``cupy_ipc._sent``).
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
@@ -66,7 +68,9 @@ import functools
 import importlib
 import multiprocessing as _mp
 import multiprocessing.connection as _connection
+import multiprocessing.process as _process
 import multiprocessing.queues as _queues
+import os
 import sys
 import threading
 import warnings
@@ -272,6 +276,34 @@ def _send_bytes(conn: Any, buf: Any) -> None:
         raise
 
 
+# --- processes that do not start -------------------------------------------------------
+# A spawned (or forkserver) process's arguments are pickled whole, then the process is made and they are written
+# to it. A start that fails with an OSError (os.pipe or fork refused, the executable missing, the pipe's write
+# refused by a child that died) failed before they wholly left: no one will open their arrays. Any other error
+# may come after (a signal handler's), and the process then has its arguments: their exports are left to it.
+_plain_start: Any = globals().get("_plain_start", _process.BaseProcess.start)
+
+
+def _start(process: Any) -> None:
+    outer = _in_message.exports
+    _in_message.exports = exports = []  # the arguments are one message, whatever dumps pickle them
+    try:
+        _plain_start(process)
+    except OSError:
+        _release_all(exports)
+        raise
+    finally:
+        _in_message.exports = outer
+
+
+def _forget_after_fork() -> None:
+    # A child forked by start() runs its target inside _start, and exits there: no message is its own yet.
+    _in_message.exports = _in_message.dumped = _in_message.pickled = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 # --- cupy.ndarray ----------------------------------------------------------------
 _message_lease: float | None = None
 
@@ -414,6 +446,7 @@ def init_reductions() -> None:
     # queues (dumps) and a spawned Process's arguments (reduction.dump)
     ForkingPickler.dumps = classmethod(_dumps)  # type: ignore[assignment,method-assign]
     _connection.Connection._send_bytes = _send_bytes  # type: ignore[method-assign]  # every message's write
+    _process.BaseProcess.start = _start  # type: ignore[method-assign]  # every process's, whatever its context
     _registered = True
 
 

@@ -150,6 +150,25 @@ def ctrl_c_while_locked():
 
 
 @pytest.fixture
+def refuse_spawns(monkeypatch):
+    """A function after whose call a spawned process cannot be started, as fork fails at the process limit
+    (EAGAIN), once its arguments have been pickled. Multiprocessing's resource tracker, which a first start
+    spawns the same way, is started first."""
+    import errno
+    import multiprocessing.resource_tracker
+    import multiprocessing.util
+
+    def refused(*args: object) -> None:
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    def refuse() -> None:
+        multiprocessing.resource_tracker.ensure_running()
+        monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refused)
+
+    return refuse
+
+
+@pytest.fixture
 def remote():
     """Start helper processes (spawn) that run functions of ``workers`` on request."""
     from workers import Remote

@@ -515,6 +515,19 @@ def test_an_array_whose_send_fails_is_not_left_pinned(ctx):
     assert {p.export_id for p in cupy_ipc.pinned()} - before == set()
 
 
+def test_an_array_given_to_a_process_that_cannot_be_started_is_not_left_pinned(refuse_spawns):
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.ones(256, cupy.float32)
+    before = {p.export_id for p in cupy_ipc.pinned()}
+    refuse_spawns()
+    with pytest.raises(BlockingIOError):
+        mp.get_context("spawn").Process(target=len, args=(a,)).start()  # its arguments pickled, then refused
+    assert {p.export_id for p in cupy_ipc.pinned()} - before == set()
+
+
 def test_a_message_lease_ends_the_pin_of_an_array_nobody_received_in_time(ctx):
     import time
 

@@ -37,6 +37,7 @@ def test_registration_is_idempotent_and_only_for_multiprocessing():
     assert reducers[cupy_ipc.IpcEvent] is mp._reduce_ipc_event
     assert multiprocessing.reduction.ForkingPickler.dump is mp._dump
     assert multiprocessing.connection.Connection._send_bytes is mp._send_bytes
+    assert multiprocessing.process.BaseProcess.start is mp._start
     assert cupy.ndarray not in copyreg.dispatch_table  # what pickle.dumps consults
 
 
@@ -398,6 +399,55 @@ def test_a_refusal_on_a_queues_feeder_thread_releases_what_its_message_exported(
     finally:
         q.close()
         q.join_thread()
+
+
+def test_a_process_that_cannot_be_started_releases_the_exports_of_its_arguments(exported, refuse_spawns):
+    # Its arguments are pickled before the process is made: when it cannot be, no one will open their arrays,
+    # which stayed pinned for good (or, in a child of multiprocessing, kept its exit waiting).
+    ctx = multiprocessing.get_context("spawn")
+    sent = _Exported()
+    started = ctx.Process(target=len, args=([sent],))
+    started.start()
+    started.join(60)
+    assert started.exitcode == 0 and not sent.released  # started: its opens end them
+    refuse_spawns()
+    lost = _Exported()
+    with pytest.raises(BlockingIOError):
+        ctx.Process(target=len, args=([lost],)).start()
+    assert lost.released
+
+
+def test_a_forked_child_keeps_nothing_it_pickles():
+    # A child forked by Process.start runs its target inside the start, which collects the exports of the
+    # arguments it pickles (a spawned process's): the child must not collect, and keep, those of its messages.
+    code = """if True:
+        import gc, multiprocessing, weakref
+        import cupy_ipc.multiprocessing as mp
+        from multiprocessing.reduction import ForkingPickler
+
+        class Exported:
+            def release(self):
+                pass
+
+        ForkingPickler.register(Exported, lambda o: (mp._in_message.exports.append(o), (list, ()))[1])
+
+        def pickles(out):
+            sent = Exported()
+            gone = weakref.ref(sent)
+            ForkingPickler.dumps([sent])
+            del sent
+            gc.collect()
+            out.send("kept" if gone() else "freed")
+
+        if __name__ == "__main__":
+            r, w = multiprocessing.Pipe(duplex=False)
+            child = multiprocessing.get_context("fork").Process(target=pickles, args=(w,))
+            child.start()
+            print(r.recv())
+            child.join(60)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.stdout.split() == ["freed"], out.stderr[-2000:]
 
 
 class _NoCuda:
