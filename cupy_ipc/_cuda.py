@@ -26,10 +26,14 @@ __all__ = [
     "device_count",
     "device_uuid",
     "enable_peer_access",
+    "import_allocation",
+    "import_pool_pointer",
+    "open_ipc_event",
     "open_ipc_mapping",
     "ordinal_of_uuid",
     "legacy_info",
     "pointer_info",
+    "reserve_addresses",
     "rt",
     "stream_idle",
     "stream_ptr",
@@ -190,6 +194,26 @@ def _driver() -> Any:
     return driver
 
 
+_OUT_U64 = ctypes.POINTER(ctypes.c_uint64)  # where the driver writes a CUdeviceptr or an allocation handle
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda_fn(name: str, *argtypes: Any) -> Any:
+    """libcuda's function ``name``, called through ``ctypes`` with ``argtypes`` and returning its ``CUresult``;
+    ``None`` where the library does not load that way (cuda-bindings serves then).
+
+    Through ``ctypes`` the caller can hand the driver a place of its own for what a call makes, which
+    cuda-bindings returns as a value instead (see :func:`open_ipc_mapping`); and the call lets go of the GIL.
+    """
+    try:
+        fn = ctypes.CDLL("libcuda.so.1")[name]  # a function object of its own, typed for this caller
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def check(what: str, err: Any) -> None:
     """Raise :class:`IpcError` naming ``what`` unless a driver call's ``err`` is success."""
     driver = _driver()
@@ -227,18 +251,17 @@ def device_uuid(ordinal: int) -> bytes:
 def _driver_uuid(ordinal: int) -> bytes | None:
     # All 16 bytes from the driver, through ctypes: CuPy's device properties
     # end the UUID at its first zero byte (seen on an H200), as a C string.
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        if lib.cuInit(0) != 0:
-            return None
-        dev = ctypes.c_int()
-        if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
-            return None
-        buf = ctypes.create_string_buffer(16)
-        get = getattr(lib, "cuDeviceGetUuid_v2", None) or lib.cuDeviceGetUuid  # _v2: MIG instances' own
-        return buf.raw if get(buf, dev) == 0 else None
-    except (OSError, AttributeError):
+    init = _libcuda_fn("cuInit", ctypes.c_uint)
+    get_device = _libcuda_fn("cuDeviceGet", ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+    get_uuid = (_libcuda_fn("cuDeviceGetUuid_v2", ctypes.c_void_p, ctypes.c_int)  # _v2: MIG instances' own
+                or _libcuda_fn("cuDeviceGetUuid", ctypes.c_void_p, ctypes.c_int))
+    if init is None or get_device is None or get_uuid is None or init(0) != 0:
         return None
+    dev = ctypes.c_int()
+    buf = ctypes.create_string_buffer(16)
+    if get_device(ctypes.byref(dev), ordinal) != 0 or get_uuid(buf, dev) != 0:
+        return None
+    return buf.raw
 
 
 def _runtime_uuid(ordinal: int) -> bytes:
@@ -399,14 +422,11 @@ def _queries() -> tuple[Any, Any, Any] | None:
     """libcuda's ``cuPointerGetAttributes`` and ``cuMemGetAddressRange``, typed, and the attributes of
     :func:`legacy_info` as C ints; ``None`` where the library does not load (then cuda-bindings serves)."""
     attrs = _ipc_attributes()  # initializes the driver
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        get, address = lib.cuPointerGetAttributes, lib.cuMemGetAddressRange_v2
-    except (OSError, AttributeError):
+    get = _libcuda_fn("cuPointerGetAttributes", ctypes.c_uint, ctypes.POINTER(ctypes.c_int),
+                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64)
+    address = _libcuda_fn("cuMemGetAddressRange_v2", _OUT_U64, ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64)
+    if get is None or address is None:
         return None
-    get.argtypes = (ctypes.c_uint, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint64)
-    address.argtypes = (ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64)
-    get.restype = address.restype = ctypes.c_int
     return get, address, (ctypes.c_int * 4)(*(int(a) for a in attrs))
 
 
@@ -429,19 +449,25 @@ def legacy_info(ptr: int) -> tuple[int, int, int] | None:
     return int(values[0]), int(values[1]), int(values[2])
 
 
-@functools.lru_cache(maxsize=None)
-def _ipc_close() -> Any:
-    """libcuda's ``cuIpcCloseMemHandle``, typed, or ``None`` where the library does not load."""
-    try:
-        close = ctypes.CDLL("libcuda.so.1").cuIpcCloseMemHandle
-    except (OSError, AttributeError):
-        return None
-    close.argtypes = (ctypes.c_uint64,)
-    close.restype = ctypes.c_int
-    return close
-
-
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the thread has no context bound
+_NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED: no runtime call has initialized the driver yet
+
+
+def _in_context(device: int, fn: Callable[..., int], *args: Any) -> int:
+    """The ``CUresult`` of ``fn(*args)``, called again with GPU ``device``'s context made current where the thread
+    had none (the library's own threads make no runtime call) or the process had not initialized the driver."""
+    err = fn(*args)
+    if err in (_INVALID_CONTEXT, _NOT_INITIALIZED):
+        with using_device(device, bind=True):
+            err = fn(*args)
+    return err
+
+
+def _checked(what: str, device: int, fn: Callable[..., int], *args: Any) -> None:
+    """:func:`_in_context`, raising :class:`IpcError` with the driver's name of an error."""
+    err = _in_context(device, fn, *args)
+    if err:
+        check(what, _driver().CUresult(err))
 
 
 def close_ipc_mapping(ptr: int, device: int) -> None:
@@ -452,32 +478,16 @@ def close_ipc_mapping(ptr: int, device: int) -> None:
     holds the GIL all that time, which stopped every Python thread of the process. A ``ctypes`` call lets go
     of it; cuda-bindings, where libcuda does not load that way, does too.
     """
-    close = _ipc_close() or (lambda p: int(_driver().cuIpcCloseMemHandle(p)[0]))
-    err = close(ptr)
-    if err == _INVALID_CONTEXT:  # a thread that made no runtime call (the library's own)
-        with using_device(device, bind=True):
-            err = close(ptr)
-    if err:
-        check("closing the memory handle", _driver().CUresult(err))
+    close = _libcuda_fn("cuIpcCloseMemHandle", ctypes.c_uint64) or (
+        lambda p: int(_driver().cuIpcCloseMemHandle(p)[0]))
+    _checked("closing the memory handle", device, close, ptr)
 
 
-class _IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]  # CUipcMemHandle, passed by value
+class _Opaque64(ctypes.Structure):
+    # CUipcMemHandle and CUipcEventHandle (passed by value), CUmemPoolPtrExportData (by pointer)
+    _fields_ = [("reserved", ctypes.c_char * 64)]
 
 
-@functools.lru_cache(maxsize=None)
-def _ipc_open() -> Any:
-    """libcuda's ``cuIpcOpenMemHandle``, typed, or ``None`` where the library does not load."""
-    try:
-        open_ = ctypes.CDLL("libcuda.so.1").cuIpcOpenMemHandle_v2
-    except (OSError, AttributeError):
-        return None
-    open_.argtypes = (ctypes.POINTER(ctypes.c_uint64), _IpcMemHandle, ctypes.c_uint)
-    open_.restype = ctypes.c_int
-    return open_
-
-
-_NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED: no runtime call has initialized the driver yet
 _LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, cudaIpcMemLazyEnablePeerAccess
 
 
@@ -500,19 +510,76 @@ def open_ipc_mapping(handle: bytes, device: int, out: ctypes.c_uint64) -> None:
     """
     if len(handle) != 64:
         raise HandleError(f"a memory handle is 64 bytes, not {len(handle)}")
-    open_ = _ipc_open()
+    open_ = _libcuda_fn("cuIpcOpenMemHandle_v2", _OUT_U64, _Opaque64, ctypes.c_uint)
     if open_ is None:  # (cuda-bindings would return the pointer as a value too)
         runtime = rt()
         out.value = call("opening the memory handle", runtime.ipcOpenMemHandle, handle,
                          runtime.cudaIpcMemLazyEnablePeerAccess)
         return
-    c_handle = _IpcMemHandle.from_buffer_copy(handle)
-    err = open_(ctypes.byref(out), c_handle, _LAZY_ENABLE_PEER_ACCESS)
-    if err in (_INVALID_CONTEXT, _NOT_INITIALIZED):  # a thread (or process) that has made no runtime call yet
-        with using_device(device, bind=True):
-            err = open_(ctypes.byref(out), c_handle, _LAZY_ENABLE_PEER_ACCESS)
+    err = _in_context(device, open_, ctypes.byref(out), _Opaque64.from_buffer_copy(handle), _LAZY_ENABLE_PEER_ACCESS)
     if err:
         raise _translated("opening the memory handle", _runtime_error()(err))
+
+
+def open_ipc_event(handle: bytes, device: int, out: ctypes.c_void_p, what: str) -> None:
+    """Open another process's interprocess event (its 64-byte handle) on GPU ``device``, the current one; the
+    driver writes the event (a ``cudaEvent_t``, which is a ``CUevent``) to ``out``.
+
+    As with :func:`open_ipc_mapping`, the caller that sees anything raised with ``out`` set owns that event, and
+    errors carry the runtime's names.
+    """
+    open_ = _libcuda_fn("cuIpcOpenEventHandle", ctypes.POINTER(ctypes.c_void_p), _Opaque64)
+    if open_ is None:  # (the runtime returns the event as a value)
+        out.value = call(what, rt().ipcOpenEventHandle, handle)
+        return
+    err = _in_context(device, open_, ctypes.byref(out), _Opaque64.from_buffer_copy(handle))
+    if err:
+        raise _translated(what, _runtime_error()(err))
+
+
+def _make(what: str, device: int, out: ctypes.c_uint64, fn: Any, args: tuple[Any, ...],
+          fallback: Callable[[], tuple[Any, Any]]) -> None:
+    """Have the driver write what it makes to ``out``: libcuda's ``fn(&out, *args)``, or where libcuda does not
+    load (``fn`` is ``None``) cuda-bindings' ``fallback()``, which returns ``(error, what it made)``. As with
+    :func:`open_ipc_mapping`, the caller that sees anything raised with ``out`` set owns what it holds."""
+    if fn is None:  # (returned as a value: an interrupt raised as the call returns loses it)
+        err, made = fallback()
+        check(what, err)
+        out.value = int(made)
+        return
+    _checked(what, device, fn, ctypes.byref(out), *args)
+
+
+def import_pool_pointer(pool: Any, data: bytes, device: int, out: ctypes.c_uint64) -> None:
+    """Map the allocation of pool export ``data`` (64 bytes) from the imported ``pool`` for GPU ``device``, the
+    current one (``cuMemPoolImportPointer``); the pointer, to be freed with ``cuMemFree``, is written to ``out``."""
+
+    def fallback() -> tuple[Any, Any]:
+        driver = _driver()
+        share = driver.CUmemPoolPtrExportData()
+        ctypes.memmove(share.getPtr(), data, ctypes.sizeof(_Opaque64))
+        return driver.cuMemPoolImportPointer(pool, share)
+
+    fn = _libcuda_fn("cuMemPoolImportPointer", _OUT_U64, ctypes.c_void_p, ctypes.POINTER(_Opaque64))
+    _make("importing the pool allocation", device, out, fn, (int(pool), ctypes.byref(_Opaque64.from_buffer_copy(data))),
+          fallback)
+
+
+def import_allocation(fd: int, device: int, out: ctypes.c_uint64) -> None:
+    """Import the allocation of virtual memory that descriptor ``fd`` stands for (``cuMemImportFromShareableHandle``);
+    its handle, to be released with ``cuMemRelease``, is written to ``out``."""
+    fn = _libcuda_fn("cuMemImportFromShareableHandle", _OUT_U64, ctypes.c_void_p, ctypes.c_int)
+    _make("importing the producer's allocation", device, out, fn, (fd, int(posix_fd())),  # (the descriptor as void *)
+          lambda: _driver().cuMemImportFromShareableHandle(fd, posix_fd()))
+
+
+def reserve_addresses(size: int, device: int, out: ctypes.c_uint64) -> None:
+    """Reserve ``size`` bytes of addresses (``cuMemAddressReserve``); the first, whose range is to be freed with
+    ``cuMemAddressFree``, is written to ``out``."""
+    fn = _libcuda_fn("cuMemAddressReserve", _OUT_U64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64,
+                     ctypes.c_ulonglong)
+    _make("reserving addresses for the mapping", device, out, fn, (size, 0, 0, 0),
+          lambda: _driver().cuMemAddressReserve(size, 0, 0, 0))
 
 
 def address_range(ptr: int) -> tuple[int, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import threading
 import weakref
@@ -13,17 +14,21 @@ from ._errors import ClosedError, HandleError, IpcError, warn_quietly
 from ._identity import Producer, this_process
 from ._wire import DeviceId, EventFields, pack_event, unpack_event
 
-__all__ = ["IpcEvent", "IpcEventHandle", "export_event", "open_cached"]
+__all__ = ["IpcEvent", "IpcEventHandle", "export_event", "open_cached", "open_event"]
 
 # Events this process created and shared, by raw CUDA handle: unpickling or
 # opening one of them here gives back the original object.
 _own: "weakref.WeakValueDictionary[bytes, IpcEvent]" = weakref.WeakValueDictionary()
 
 
-def _destroy(ptr: int, device: int) -> None:
+def _destroy(event: ctypes.c_void_p, device: int) -> None:
+    """Destroy the event held in ``event`` once, whoever calls first: its finalizer or a failed open's unwind."""
     try:
         _fork.check()
     except IpcError:  # the parent's event, inherited by a fork: the parent owns it, and the child may not use CUDA
+        return
+    ptr, event.value = event.value, None  # (no call between: no interrupt is raised there)
+    if not ptr:  # an open that made none
         return
     runtime = _cuda.rt()
     try:
@@ -64,21 +69,27 @@ class IpcEvent:
             flags |= runtime.eventBlockingSync
         device = _cuda.current_device()
         ptr = _cuda.call("creating an interprocess event", runtime.eventCreateWithFlags, flags)
-        self._adopt(ptr, device, bool(block), None, opened=False)  # its handle's flags byte is 0 or 1
+        self._adopt(ctypes.c_void_p(ptr), device, bool(block), None, opened=False)  # its handle's flags byte is 0 or 1
 
     @classmethod
-    def _from_handle(cls, handle: "IpcEventHandle", ptr: int, device: int) -> "IpcEvent":
+    def _opened_from(cls, event_handle: bytes, device: int, block: bool, handle: "IpcEventHandle | None",
+                     what: str) -> "IpcEvent":
+        """Another process's event, opened on GPU ``device``."""
         ev = cls.__new__(cls)
-        ev._adopt(ptr, device, handle.block, handle, opened=True)
+        out = ctypes.c_void_p()
+        ev._adopt(out, device, block, handle, opened=True)  # before the open: its finalizer destroys what it makes
+        open_event(event_handle, device, out, what)
+        ev._ptr = out.value
         return ev
 
-    def _adopt(self, ptr: int, device: int, block: bool, handle: "IpcEventHandle | None", *, opened: bool) -> None:
-        self._ptr = ptr
+    def _adopt(self, event: ctypes.c_void_p, device: int, block: bool, handle: "IpcEventHandle | None", *,
+               opened: bool) -> None:
+        self._ptr = event.value
         self._device = device
         self._block = block
         self._handle = handle
         self._opened = opened
-        self._finalizer = weakref.finalize(self, _destroy, ptr, device)
+        self._finalizer = weakref.finalize(self, _destroy, event, device)
         self._finalizer.atexit = False  # the driver frees everything at exit
 
     @property
@@ -274,19 +285,15 @@ class IpcEventHandle:
             if ev is None or ev.closed:
                 raise ClosedError("this event was closed in the process that created it")
             return ev
-        ptr, device = self._open_raw()
-        return IpcEvent._from_handle(self, ptr, device)
+        return IpcEvent._opened_from(self._f.event_handle, self._home(), self._f.block, self,
+                                     "opening an event handle")
 
-    def _open_raw(self) -> tuple[int, int]:
-        """Open the event of another process: ``(cudaEvent_t, device ordinal)``; the caller owns it."""
+    def _home(self) -> int:
+        """This process's ordinal of the event's GPU, once it is known that the event can be opened here."""
         _fork.check()
         check_same_host(self._f.producer)
         _segment.attach(self._f.producer.token, self._f.producer.pid)
-        runtime = _cuda.rt()
-        device = _cuda.ordinal_of_uuid(self._f.device.uuid)
-        with _cuda.using_device(device):
-            ptr = _cuda.call("opening an event handle", runtime.ipcOpenEventHandle, self._f.event_handle)
-        return ptr, device
+        return _cuda.ordinal_of_uuid(self._f.device.uuid)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (IpcEventHandle.from_bytes, (self.to_bytes(),))
@@ -300,6 +307,20 @@ class IpcEventHandle:
     def __repr__(self) -> str:
         p = self._f.producer
         return f"<IpcEventHandle device={self._f.device.ordinal} producer=pid {p.pid}@{p.host}>"
+
+
+def open_event(event_handle: bytes, device: int, out: ctypes.c_void_p, what: str) -> None:
+    """Open another process's event on GPU ``device``; it is written to ``out``, the caller's once this returns.
+
+    If anything raises, the event is destroyed, also one the driver made before an interrupt (Ctrl-C) that
+    arrived during its call was raised as the call returned.
+    """
+    try:
+        with _cuda.using_device(device):
+            _cuda.open_ipc_event(event_handle, device, out, what)
+    except BaseException:
+        _destroy(out, device)
+        raise
 
 
 def check_same_host(producer: Producer) -> None:
@@ -327,11 +348,7 @@ def open_cached(event_handle: bytes, device: int, producer: Producer) -> IpcEven
         if ev is not None:
             _opened.move_to_end(key)
             return ev
-    runtime = _cuda.rt()
-    with _cuda.using_device(device):
-        ptr = _cuda.call("opening the producer's ordering event", runtime.ipcOpenEventHandle, event_handle)
-    ev = IpcEvent.__new__(IpcEvent)
-    ev._adopt(ptr, device, False, None, opened=True)
+    ev = IpcEvent._opened_from(event_handle, device, False, None, "opening the producer's ordering event")
     with _opened_lock:
         _opened[key] = ev
         while len(_opened) > _OPEN_CACHE_SIZE:

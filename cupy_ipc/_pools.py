@@ -241,23 +241,33 @@ def import_pointer(f: Any, device: int, home: int, descriptors: Callable[[], tup
     ``descriptors()``, called only if this process has not imported the pool yet: the pool's descriptor, the
     caller's no more, or ``None`` to take it from the producer with ``pidfd_getfd``."""
     runtime = _cuda.rt()
-    driver = _driver()
     runtime.setDevice(device)  # the driver calls below need the device's context current on this thread
     key = (f.producer.token, f.resource)
     pool = _imported_pool(f.producer.token, f.resource, f.producer.pid, f.fd, descriptors)
+    ptr = ctypes.c_uint64()  # where the driver writes the pointer (see _cuda.open_ipc_mapping)
+    entered = False
     try:
         _give_access(pool, device, home)
-        data = driver.CUmemPoolPtrExportData()
-        ctypes.memmove(data.getPtr(), f.memory_handle, EXPORT_BYTES)
-        err, ptr = driver.cuMemPoolImportPointer(pool, data)
-        _cuda.check("importing the pool allocation", err)
-    except BaseException:
+        _cuda.import_pool_pointer(pool, f.memory_handle, device, ptr)
         with _lock:
-            _live_change(key, -1)
+            _pointer_pool[ptr.value] = [*_pointer_pool.get(ptr.value, ()), key]
+            entered = True  # (no call since the store, so no interrupt raised between)
+    except BaseException:
+        if not ptr.value:
+            with _lock:
+                _live_change(key, -1)
+            raise
+        # Mapped, then interrupted (Ctrl-C during the driver's call, say): freed as a mapping let go would be, not
+        # lost with the producer's memory held until this process exits.
+        if not entered:
+            with _lock:
+                _pointer_pool.setdefault(ptr.value, []).append(key)
+        try:
+            free_imported(ptr.value, key)
+        except Exception as e:  # noqa: BLE001 - the import's own error (or interrupt) is the one raised
+            warn_quietly(f"could not free the imported pool allocation 0x{ptr.value:x}: {e}")
         raise
-    with _lock:
-        _pointer_pool.setdefault(int(ptr), []).append(key)
-    return int(ptr)
+    return ptr.value
 
 
 def free_imported(ptr: int, key: tuple[bytes, int] | None = None) -> None:

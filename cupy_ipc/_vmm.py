@@ -18,6 +18,7 @@ as exported allocations are still mapped.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -275,29 +276,25 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
 
     given_fds = list(given) if given is not None else []
     fds: list[int] = []
-    handles: list[tuple[Any, int]] = []
-    driver = None
+    # Each handle's place before its import: one that an interrupt (Ctrl-C) arriving during the driver's call is
+    # raised after is released too, not lost with the producer's memory held until this process exits.
+    handles: list[tuple[ctypes.c_uint64, int]] = []
     try:
-        driver = _driver()
         _cuda.rt().setDevice(device)  # the driver calls below need the device's context current on this thread
         for k, (number, size) in enumerate(pieces):
             fd = given_fds[k] if k < len(given_fds) else take_fd(pid, number)
             if k < len(given_fds):
                 given_fds[k] = -1
             fds.append(fd)
-            err, handle = driver.cuMemImportFromShareableHandle(fd, _cuda.posix_fd())
-            _cuda.check("importing the producer's allocation", err)
+            handle = ctypes.c_uint64()
             handles.append((handle, size))
+            _cuda.import_allocation(fd, device, handle)
+        ptr = _map([(handle.value, size) for handle, size in handles], device)
     except BaseException:  # the descriptors received too: each would keep the producer's memory alive
         _close(fds + given_fds)
-        for handle, _ in handles:
-            driver.cuMemRelease(handle)
         raise
-    try:
-        ptr = _map_and_release(handles, device)  # releases the handles
-    except BaseException:
-        _close(fds)
-        raise
+    finally:  # the mapping holds the memory now, if made
+        _release([handle.value for handle, _ in handles if handle.value])
     with _lock:
         at = ptr
         for fd, (_, size) in zip(fds, pieces):
@@ -312,32 +309,35 @@ def _close(fds: list[int]) -> None:
             os.close(fd)
 
 
-def _map_and_release(handles: list[tuple[Any, int]], device: int) -> int:
+def _map(handles: list[tuple[Any, int]], device: int) -> int:
     """Map allocations ``(handle, size)``, in order, at new contiguous addresses readable and writable by
-    ``device``; the handles are released (the mappings hold the memory). Returns the first address."""
+    ``device``; the first address. The caller releases the handles (the mappings hold the memory)."""
     driver = _driver()
     total = sum(size for _, size in handles)
-    ptr = at = 0
+    ptr = ctypes.c_uint64()  # where the driver writes the first address (see _cuda.open_ipc_mapping)
     mapped: list[int] = []
     try:
-        err, ptr = driver.cuMemAddressReserve(total, 0, 0, 0)
-        _cuda.check("reserving addresses for the mapping", err)
-        ptr = at = int(ptr)
+        _cuda.reserve_addresses(total, device, ptr)
+        at = ptr.value
         for handle, size in handles:
+            mapped.append(size)  # before the call: a piece that an interrupt is raised after is unmapped too
             (err,) = driver.cuMemMap(at, size, 0, handle, 0)
-            _cuda.check("mapping the allocation", err)
-            mapped.append(size)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                mapped.pop()
+                _cuda.check("mapping the allocation", err)
             at += size
-        (err,) = driver.cuMemSetAccess(ptr, total, [_cuda.access_desc(device)], 1)
+        (err,) = driver.cuMemSetAccess(ptr.value, total, [_cuda.access_desc(device)], 1)
         _cuda.check(f"giving GPU {device} access to the mapping", err)
     except BaseException:
-        if ptr:
-            _unmap(ptr, mapped, total)
+        if ptr.value:
+            _unmap(ptr.value, mapped, total)
         raise
-    finally:
-        for handle, _ in handles:
-            driver.cuMemRelease(handle)
-    return ptr
+    return ptr.value
+
+
+def _release(handles: list[Any]) -> None:
+    for handle in handles:
+        _driver().cuMemRelease(handle)
 
 
 def _unmap(ptr: int, sizes: list[int], total: int) -> list[Any]:
@@ -451,11 +451,9 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
             err, handle = driver.cuMemCreate(size, prop, 0)
             _cuda.check("creating virtual memory", err)
             handles.append((handle, size))
-    except BaseException:
-        for handle, _ in handles:
-            driver.cuMemRelease(handle)
-        raise
-    ptr = _map_and_release(handles, device)
+        ptr = _map(handles, device)
+    finally:  # the mapping holds the memory now, if made
+        _release([handle for handle, _ in handles])
     sizes = [size] * pieces
     mem = cupy.cuda.UnownedMemory(ptr, size * pieces, _Owner(ptr, sizes, device), device)
     return cupy.cuda.MemoryPointer(mem, 0)

@@ -63,6 +63,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import importlib
@@ -84,7 +85,7 @@ from . import _fdserver, _fork, _pools, _sent, _vmm
 from ._args import checked_lease
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
-from ._events import IpcEvent, IpcEventHandle, export_event
+from ._events import IpcEvent, IpcEventHandle, export_event, open_event
 from ._identity import this_process
 from ._sent import set_exit_wait
 from ._wire import Kind
@@ -411,12 +412,17 @@ def _rebuild_cupy_event(data: bytes) -> Any:
         if event is None:
             raise ClosedError("this cupy.cuda.Event was destroyed in the process that created it")
         return event
-    ptr, _ = handle._open_raw()
+    device = handle._home()
     # cupy.cuda.Event has no constructor for an existing event; one built
     # around the opened handle destroys it when collected, which is the
-    # release CUDA asks for.
+    # release CUDA asks for. Built before the open: between the open's
+    # return and the store of its event there is no call, where an
+    # interrupt would be raised.
     event = cupy.cuda.Event.__new__(cupy.cuda.Event)
-    event.ptr = ptr
+    event.ptr = 0  # (what its __del__ reads, should the open raise)
+    out = ctypes.c_void_p()
+    open_event(handle.event_handle, device, out, "opening an event handle")
+    event.ptr = out.value
     _received_events[event] = data
     return event
 

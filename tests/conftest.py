@@ -6,6 +6,7 @@ import functools
 import gc
 import multiprocessing
 import time
+from typing import Any
 
 import pytest
 
@@ -166,6 +167,17 @@ def refuse_spawns(monkeypatch):
         monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", refused)
 
     return refuse
+
+
+@pytest.fixture
+def libcuda(monkeypatch):
+    """libcuda's functions as a test gives them, by name, in the dict returned; any other does not load, so that
+    cuda-bindings (or CuPy's runtime) serves it, as on a machine where ctypes cannot load libcuda."""
+    from cupy_ipc import _cuda
+
+    functions: dict[str, Any] = {}
+    monkeypatch.setattr(_cuda, "_libcuda_fn", lambda name, *argtypes: functions.get(name))
+    return functions
 
 
 @pytest.fixture

@@ -180,7 +180,7 @@ class _Event:
 
 
 @pytest.fixture(params=["common", "general"])
-def sender(request, monkeypatch):
+def sender(request, monkeypatch, libcuda):
     """Another producer (a segment of its own, made here) and a handle of an export of its ``cudaMalloc``
     memory, with an ordering event; opened through the common path or the general one. Returns the handle,
     the producer's segment, the stubbed runtime, and the list of ordering-event errors to raise."""
@@ -205,7 +205,6 @@ def sender(request, monkeypatch):
         return _Event()
 
     monkeypatch.setattr(_cuda, "rt", lambda: runtime)
-    monkeypatch.setattr(_cuda, "_ipc_open", lambda: None)  # (opens through the runtime's call)
     monkeypatch.setattr(_cuda, "close_ipc_mapping", lambda ptr, device: runtime.ipcCloseMemHandle(ptr))
     monkeypatch.setattr(_cuda, "address_range", lambda ptr: (ptr, 64))  # the driver's size of the mapping
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *args: _Stream())

@@ -225,7 +225,7 @@ def test_a_lease_interrupted_while_it_was_made_is_finalized_quietly():
 
 # --- a legacy mapping's close, after the lock -----------------------------------------------------------------
 @pytest.fixture
-def closes(monkeypatch):
+def closes(monkeypatch, libcuda):
     """Empty tables of closes; a runtime whose opens and closes are recorded, in order, in the list returned."""
     seen: list[str] = []
 
@@ -241,7 +241,6 @@ def closes(monkeypatch):
     monkeypatch.setattr(_mapping, "_under_way", set())
     monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
     monkeypatch.setattr(_mapping._cuda, "rt", lambda: Runtime())
-    monkeypatch.setattr(_mapping._cuda, "_ipc_open", lambda: None)  # (opens through the runtime's call)
     monkeypatch.setattr(_mapping._cuda, "close_ipc_mapping", lambda ptr, device: seen.append(f"close {ptr:#x}"))
     monkeypatch.setattr(_mapping, "_mapped_bytes", lambda ptr, want, ranges: want)  # (the driver's mapped size)
     return seen
@@ -296,7 +295,7 @@ def test_an_import_colliding_with_a_close_not_under_way_closes_it_first(closes):
 
 
 @pytest.mark.parametrize("where", ["driver", "size"])
-def test_an_import_interrupted_once_the_driver_mapped_it_closes_the_mapping(closes, monkeypatch, where):
+def test_an_import_interrupted_once_the_driver_mapped_it_closes_the_mapping(closes, libcuda, monkeypatch, where):
     # Ctrl-C during the driver's open (about 50 µs) is raised as the call returns: the pointer, returned as a
     # value, was lost with the mapping still made. The allocation's next import then failed (the driver
     # refuses to map it twice), naming an array in use that did not exist.
@@ -309,7 +308,7 @@ def test_an_import_interrupted_once_the_driver_mapped_it_closes_the_mapping(clos
     def interrupted(ptr, want, ranges):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_mapping._cuda, "_ipc_open", lambda: open_then_interrupted)
+    libcuda["cuIpcOpenMemHandle_v2"] = open_then_interrupted
     if where == "size":
         monkeypatch.setattr(_mapping, "_mapped_bytes", interrupted)
     with pytest.raises(KeyboardInterrupt), _mapping._lock:
@@ -511,7 +510,7 @@ def test_a_close_interrupted_in_the_driver_call_leaves_the_table(closes, monkeyp
         assert _mapping._import(0, H1, 64, (H1, A, 0x1000, 64)).ptr == 0x5000
 
 
-def test_a_close_on_a_thread_with_no_context_makes_the_mappings_gpu_current_and_tries_again(monkeypatch):
+def test_a_close_on_a_thread_with_no_context_makes_the_mappings_gpu_current_and_tries_again(libcuda, monkeypatch):
     # The library's own threads have made no runtime call: the driver then has no context to close in.
     calls: list[object] = []
 
@@ -519,7 +518,7 @@ def test_a_close_on_a_thread_with_no_context_makes_the_mappings_gpu_current_and_
         calls.append(ptr)
         return 201 if len(calls) == 1 else 0  # CUDA_ERROR_INVALID_CONTEXT, then success
 
-    monkeypatch.setattr(_mapping._cuda, "_ipc_close", lambda: close)
+    libcuda["cuIpcCloseMemHandle"] = close
     monkeypatch.setattr(_mapping._cuda, "using_device",
                         lambda device, bind=False: calls.append(("current", device, bind)) or contextlib.nullcontext())
     _mapping._cuda.close_ipc_mapping(0x1000, 1)

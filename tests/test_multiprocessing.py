@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copyreg
+import ctypes
 import gc
 import multiprocessing
 import pickle
@@ -463,7 +464,7 @@ def inherited_event(monkeypatch):
     from cupy_ipc import _events, _fork
 
     ev = cupy_ipc.IpcEvent.__new__(cupy_ipc.IpcEvent)
-    ev._adopt(0x1234, 0, False, None, opened=False)
+    ev._adopt(ctypes.c_void_p(0x1234), 0, False, None, opened=False)
     monkeypatch.setattr(_fork, "_forked_after_cuda", True)
     monkeypatch.setattr(_events, "_cuda", _NoCuda())
     yield ev
@@ -498,7 +499,7 @@ def test_an_event_inherited_by_a_forked_child_closes_and_is_collected_without_cu
     assert inherited_event.closed
     inherited_event.close()
     ev = cupy_ipc.IpcEvent.__new__(cupy_ipc.IpcEvent)
-    ev._adopt(0x5678, 0, False, None, opened=True)
+    ev._adopt(ctypes.c_void_p(0x5678), 0, False, None, opened=True)
     finalizer = ev._finalizer
     del ev
     gc.collect()

@@ -1,5 +1,6 @@
-"""Imported pools let go, access given, frees and streams of ShareableMemoryPool, and virtual memory in a
-reservation with an unmapped head, without a GPU: the driver is test_pool_imports's stub."""
+"""Imported pools let go, access given, frees and streams of ShareableMemoryPool, virtual memory in a
+reservation with an unmapped head, and imports interrupted once the driver made what they import, without a
+GPU: the driver is test_pool_imports's stub."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class _Driver(test_pool_imports._Driver):
 
 
 @pytest.fixture
-def driver(monkeypatch):
+def driver(monkeypatch, libcuda):
     d = _Driver()
     monkeypatch.setattr(_pools, "_driver", lambda: d)
     monkeypatch.setattr(_pools._cuda, "_driver", lambda: d)
@@ -133,6 +134,107 @@ def test_a_failed_free_leaves_no_stale_entry_that_skips_the_next_free(driver):
     assert _pools.import_pointer(_fields(A), 0, 0, lambda: None) == PTR  # the allocation sent again
     _pools.free_imported(PTR, A)
     assert driver.freed == [PTR] and _pools._live == {} and _pools._pointer_pool == {}
+
+
+# Ctrl-C during cuMemPoolImportPointer (12 µs) is raised as the call returns: the pointer, returned as a value, was
+# lost, still mapped, and with it the producer's memory, held until this process exited.
+@pytest.mark.parametrize("held", [False, True], ids=["alone", "held-by-another-mapping"])
+def test_a_pool_import_interrupted_once_the_driver_mapped_the_pointer_frees_it(driver, libcuda, held):
+    def import_then_interrupted(out, pool, data):  # the driver's import, then the interrupt's check
+        out._obj.value = PTR
+        raise KeyboardInterrupt
+
+    libcuda["cuMemPoolImportPointer"] = import_then_interrupted
+    _pools._imports[A] = (POOL, 101, 1001)
+    if held:  # the same allocation imported before, by another mapping: the driver gives it the same pointer
+        _pools._live_change(A, 1)
+        _pools._pointer_pool[PTR] = [A]
+    with pytest.raises(KeyboardInterrupt):
+        _pools.import_pointer(_fields(A), 0, 0, lambda: None)
+    if held:  # still mapped for the other: a free would unmap it under that mapping's arrays
+        assert driver.freed == [] and _pools._live == {A: 1} and _pools._pointer_pool == {PTR: [A]}
+    else:
+        assert driver.freed == [PTR] and _pools._live == {} and _pools._pointer_pool == {}
+
+
+class _VmmDriver:
+    """The driver calls of an import of virtual memory, recorded: allocation handles imported and released,
+    addresses reserved and freed, pieces mapped and unmapped."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUmemAllocationHandleType:
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+    def __init__(self, interrupted: str) -> None:
+        self.interrupted = interrupted
+        self.made: list[int] = []
+        self.released: list[int] = []
+        self.reserved: list[tuple[int, int]] = []
+        self.freed: list[tuple[int, int]] = []
+        self.mapped: list[tuple[int, int]] = []
+        self.unmapped: list[tuple[int, int]] = []
+
+    def _then(self, step):  # the interrupt, raised as the driver's call of this step returns
+        if step == self.interrupted:
+            raise KeyboardInterrupt
+        return 0
+
+    def import_(self, out, fd, kind):  # libcuda's cuMemImportFromShareableHandle
+        out._obj.value = 0x100 + len(self.made)
+        self.made.append(out._obj.value)
+        return self._then("import" if len(self.made) == 2 else "")
+
+    def reserve(self, out, size, alignment, addr, flags):  # libcuda's cuMemAddressReserve
+        out._obj.value = 0x7F0000000000
+        self.reserved.append((out._obj.value, size))
+        return self._then("reserve")
+
+    def cuMemMap(self, at, size, offset, handle, flags):  # noqa: N802 - the driver's names
+        self.mapped.append((at, size))
+        return (self._then("map" if len(self.mapped) == 2 else ""),)
+
+    def cuMemSetAccess(self, ptr, size, descs, n):  # noqa: N802
+        return (0,)
+
+    def cuMemUnmap(self, at, size):  # noqa: N802
+        self.unmapped.append((at, size))
+        return (0,)
+
+    def cuMemAddressFree(self, ptr, size):  # noqa: N802
+        self.freed.append((ptr, size))
+        return (0,)
+
+    def cuMemRelease(self, handle):  # noqa: N802
+        self.released.append(handle)
+        return (0,)
+
+
+# Ctrl-C during the driver's import of a piece, reservation of addresses or map of a piece is raised as the call
+# returns: the allocation handle (which keeps the producer's memory allocated until this process exits) or the
+# address range was lost, returned as a value, and a piece mapped but not counted made the unwind's free of the
+# addresses fail.
+@pytest.mark.parametrize("step", ["import", "reserve", "map"])
+def test_a_vmm_import_interrupted_once_the_driver_made_something_releases_all_it_made(libcuda, monkeypatch, step):
+    import os
+
+    d = _VmmDriver(step)
+    monkeypatch.setattr(_vmm._cuda, "_driver", lambda: d)
+    monkeypatch.setattr(_vmm._cuda, "rt", lambda: types.SimpleNamespace(setDevice=lambda device: None))
+    monkeypatch.setattr(_vmm._cuda, "access_desc", lambda device: device)
+    libcuda.update(cuMemImportFromShareableHandle=d.import_, cuMemAddressReserve=d.reserve)
+    pipes = [os.pipe(), os.pipe()]
+    with pytest.raises(KeyboardInterrupt):
+        _vmm.import_mapping(1001, [(11, 0x200000), (12, 0x200000)], 0, tuple(r for r, _ in pipes))
+    assert sorted(d.released) == d.made and d.made  # each handle made, released once
+    assert sorted(d.unmapped) == sorted(d.mapped)
+    assert d.freed == d.reserved
+    for r, w in pipes:
+        with pytest.raises(OSError):
+            os.fstat(r)  # the descriptors received are closed too
+        os.close(w)
+    assert not _vmm._kept
 
 
 # cuPointerGetAttributes reports virtual memory's base as the whole reservation's (on an H200: base = start

@@ -202,7 +202,12 @@ def open_failing(data: bytes, step: str) -> dict[str, Any]:
     def out_of_memory(*args: Any, **kwargs: Any) -> Any:
         raise cupy.cuda.memory.OutOfMemoryError(0, 0)
 
-    target, name, stub = {"import": (_cuda, "_ipc_open", lambda: lambda out, handle, flags: 205),
+    libcuda_fn = _cuda._libcuda_fn
+
+    def failing_open(name: str, *argtypes: Any) -> Any:  # the driver's open fails: CUDA_ERROR_MAP_FAILED
+        return (lambda out, handle, flags: 205) if name == "cuIpcOpenMemHandle_v2" else libcuda_fn(name, *argtypes)
+
+    target, name, stub = {"import": (_cuda, "_libcuda_fn", failing_open),
                           "event": (_array_handle, "open_cached", failing),
                           "copy": (cupy.cuda, "alloc", out_of_memory)}.get(step, (None, "", None))
     real = getattr(target, name) if target is not None else None
@@ -228,23 +233,29 @@ def open_interrupted_once_mapped(data: bytes) -> dict[str, Any]:
 
     from cupy_ipc import IpcArrayHandle, IpcError, _cuda, _mapping
 
-    module_open = _cuda._ipc_open
-    real = module_open()
+    libcuda_fn = _cuda._libcuda_fn
     mapped_at: list[int] = []
 
-    def open_then_interrupted(out: Any, handle: Any, flags: int) -> int:
-        err = real(out, handle, flags)
-        mapped_at.append(out._obj.value)
-        raise KeyboardInterrupt
+    def interrupted_open(name: str, *argtypes: Any) -> Any:
+        real = libcuda_fn(name, *argtypes)
+        if name != "cuIpcOpenMemHandle_v2":
+            return real
 
-    _cuda._ipc_open = lambda: open_then_interrupted
+        def open_then_interrupted(out: Any, handle: Any, flags: int) -> int:
+            real(out, handle, flags)
+            mapped_at.append(out._obj.value)
+            raise KeyboardInterrupt
+
+        return open_then_interrupted
+
+    _cuda._libcuda_fn = interrupted_open
     try:
         IpcArrayHandle.from_bytes(data).open()
         first = "opened"
     except KeyboardInterrupt:
         first = "interrupted"
     finally:
-        _cuda._ipc_open = module_open
+        _cuda._libcuda_fn = libcuda_fn
     with IpcArrayHandle.from_bytes(data) as arr:
         values = cupy.asnumpy(arr)
         arr.device.synchronize()

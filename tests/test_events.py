@@ -1,0 +1,55 @@
+"""Opens of another process's event, without a GPU: the driver's open and the runtime are stubbed."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from cupy_ipc import IpcEventHandle, _cuda, _events
+from cupy_ipc import multiprocessing as cupy_mp
+from cupy_ipc._identity import Producer, this_process
+from cupy_ipc._wire import DeviceId, EventFields
+
+EVENT = 0xE000  # the event the stubbed driver opens
+
+
+@pytest.fixture
+def destroyed(monkeypatch, libcuda):
+    """A handle of another process's event, whose open is interrupted as the driver's call returns, having made
+    the event; the events destroyed, recorded in the list returned."""
+    gone: list[int] = []
+
+    def open_then_interrupted(out, handle):  # the driver's open, then the interrupt's check
+        out._obj.value = EVENT  # (out: ctypes.byref of the caller's c_void_p)
+        raise KeyboardInterrupt
+
+    libcuda["cuIpcOpenEventHandle"] = open_then_interrupted
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None, eventDestroy=gone.append)
+    monkeypatch.setattr(_cuda, "rt", lambda: runtime)
+    monkeypatch.setattr(_cuda, "ordinal_of_uuid", lambda uuid: 0)
+    monkeypatch.setattr(_events._segment, "attach", lambda token, pid: None)  # the producer is alive
+    return gone
+
+
+def _handle() -> IpcEventHandle:
+    me = this_process()
+    producer = Producer(me.pid + 1, b"p" * 16, me.boot_id, me.host)
+    return IpcEventHandle._make(EventFields(bytes(64), False, DeviceId(0, bytes(16)), producer))
+
+
+# Ctrl-C during the driver's open is raised as the call returns: the event, returned as a value, was lost, never
+# destroyed.
+@pytest.mark.parametrize("opening", [
+    lambda h: h.open(),
+    lambda h: _events.open_cached(h.event_handle, 0, h.producer),
+    lambda h: cupy_mp._rebuild_cupy_event(h.to_bytes()),
+], ids=["IpcEventHandle.open", "open_cached", "cupy.cuda.Event"])
+def test_an_event_open_interrupted_once_the_driver_opened_it_destroys_the_event_once(destroyed, opening):
+    import gc
+
+    with pytest.raises(KeyboardInterrupt):
+        opening(_handle())
+    gc.collect()  # what the open made, and dropped, is collected: no second destroy
+    assert destroyed == [EVENT]
+    assert not _events._opened
