@@ -12,6 +12,7 @@ takes one more, to learn which ranks share the host.
 from __future__ import annotations
 
 import struct
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -27,15 +28,29 @@ class _Engine:
     """The collectives all_gather needs, over an mpi4py communicator or a torch.distributed group."""
 
     def __init__(self, group: Any) -> None:
+        # Refused before any collective. Where this process is not in the group, its members do not wait for
+        # it; an inter-communicator is refused on every rank alike.
         self.group = group
         self.mpi = hasattr(group, "allgather") and hasattr(group, "Get_rank")  # mpi4py.MPI.Comm
         if self.mpi:
+            if not group:  # mpi4py's null communicator is false
+                raise ValueError(
+                    "group is MPI.COMM_NULL: this process is not in the communicator (Split with MPI.UNDEFINED "
+                    "and Create give that to the processes they leave out), or it was freed; call this only on "
+                    "the processes whose communicator is not MPI.COMM_NULL")
+            if group.Is_inter():
+                raise TypeError(
+                    "group is an mpi4py inter-communicator, whose allgather gathers the other group's values, not "
+                    "this group's; pass the intra-communicator that group.Merge() makes of its two groups")
             self.rank, self.size = group.Get_rank(), group.Get_size()
-        elif type(group).__module__.startswith("torch"):
-            import torch.distributed as dist
-
+        elif (dist := _torch_distributed(group)) is not None:
             self.dist = dist
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+            if self.rank < 0:
+                raise ValueError(
+                    f"this process (global rank {dist.get_rank()}) is not in the torch.distributed group: "
+                    "new_group gives GroupMember.NON_GROUP_MEMBER to the ranks it leaves out; call this only on "
+                    "the group's ranks (where group != dist.GroupMember.NON_GROUP_MEMBER)")
         else:
             raise TypeError(
                 f"group must be an mpi4py communicator or a torch.distributed process group, not {group!r}")
@@ -99,6 +114,19 @@ class _Engine:
         return torch.device("cpu")
 
 
+def _torch_distributed(group: Any) -> Any:
+    """``torch.distributed`` where ``group`` is one of its groups, or what its ``new_group`` gives non-members;
+    else ``None``."""
+    if type(group).__module__.startswith("torch"):
+        import torch.distributed as dist
+
+        return dist
+    dist = sys.modules.get("torch.distributed")  # imported already where the group came from it
+    if dist is not None and dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:
+        return dist
+    return None
+
+
 _ROW = 1024  # bytes per rank in a handle gather: the length, then the handle (273 + 16 per dimension)
 _LENGTH = struct.Struct("<q")
 
@@ -111,6 +139,13 @@ def _local_ranks(engine: _Engine) -> list[int]:
 
 def node_local_ranks(group: Any) -> list[int]:
     """The ranks of ``group`` on this host (same kernel boot), this one included. Collective.
+
+    Raises:
+        TypeError: ``group`` is neither an mpi4py intra-communicator nor a
+            torch.distributed group.
+        ValueError: This process is not in ``group`` (``MPI.COMM_NULL``,
+            ``GroupMember.NON_GROUP_MEMBER``); raised before any collective,
+            so the group's members are not kept waiting.
 
     Example:
         >>> from mpi4py import MPI                       # doctest: +SKIP
@@ -206,6 +241,7 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
         A :class:`Gathered`: a sequence and a context manager.
 
     Raises:
+        TypeError, ValueError: As :func:`node_local_ranks`, before any collective.
         IpcError: On every rank, if any rank of this host could not share
             its array or open a peer's (the message names them); each rank's
             export is then released once the peers that opened it are done.

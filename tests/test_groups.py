@@ -27,6 +27,9 @@ class HostsComm:
     def Get_size(self) -> int:
         return len(self.hosts)
 
+    def Is_inter(self) -> bool:
+        return False
+
     def allreduce(self, value):
         return value
 
@@ -105,38 +108,90 @@ def test_a_group_without_weak_references_is_held_and_known_by_itself_only():
         del _groups._group_hosts[id(group)]
 
 
-def test_torch_engine_gathers_short_missing_and_long_handles_and_any_failure(tmp_path):
-    # gloo on the CPU: the tensor gather of fixed-size rows, its spill for a handle longer than a row,
-    # and the failure reduction, as every rank sees them.
-    pytest.importorskip("torch.distributed")
+def _gloo_ranks(target, args_by_rank: list[tuple], store: str) -> list:
+    """What ``target(rank, size, store, *args, conn)`` sent back from one spawned process per rank, by rank."""
     import multiprocessing
 
-    from cupy_ipc._groups import _ROW
-
-    from workers import gloo_engine_rank
-
     ctx = multiprocessing.get_context("spawn")
-    datas = [b"\x01handle" * 10, None, bytes(range(256)) * (2 * _ROW // 256), b""]
     conns, procs = [], []
-    for rank, data in enumerate(datas):
+    for rank, args in enumerate(args_by_rank):
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=gloo_engine_rank, args=(rank, len(datas), str(tmp_path / "store"), data, rank == 2,
-                                                       theirs), daemon=True)
+        p = ctx.Process(target=target, args=(rank, len(args_by_rank), store, *args, theirs), daemon=True)
         p.start()
         conns.append(mine)
         procs.append(p)
     try:
+        out = []
         for rank, conn in enumerate(conns):
             assert conn.poll(120), f"rank {rank} did not answer"
-            status, out = conn.recv()
-            assert status == "ok", out
-            assert out == {"rank": rank, "size": 4, "handles": datas, "failed": True, "none_failed": False,
-                           "objects": [0, 1, 2, 3]}
+            status, value = conn.recv()
+            assert status == "ok", value
+            out.append(value)
+        return out
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
+
+
+def test_torch_engine_gathers_short_missing_and_long_handles_and_any_failure(tmp_path):
+    # gloo on the CPU: the tensor gather of fixed-size rows, its spill for a handle longer than a row,
+    # and the failure reduction, as every rank sees them.
+    pytest.importorskip("torch.distributed")
+    from cupy_ipc._groups import _ROW
+
+    from workers import gloo_engine_rank
+
+    datas = [b"\x01handle" * 10, None, bytes(range(256)) * (2 * _ROW // 256), b""]
+    out = _gloo_ranks(gloo_engine_rank, [(data, rank == 2) for rank, data in enumerate(datas)],
+                      str(tmp_path / "store"))
+    for rank in range(len(datas)):
+        assert out[rank] == {"rank": rank, "size": 4, "handles": datas, "failed": True, "none_failed": False,
+                             "objects": [0, 1, 2, 3]}
+
+
+def test_a_torch_rank_outside_the_group_is_refused_and_the_members_do_not_wait_for_it(tmp_path):
+    # new_group gives the ranks it leaves out GroupMember.NON_GROUP_MEMBER (-100), which was refused as
+    # "not a group"; rank 0, the only member, gathers alone before rank 1 calls.
+    pytest.importorskip("torch.distributed")
+    from workers import gloo_outsider_rank
+
+    member, outsider = _gloo_ranks(gloo_outsider_rank, [(), ()], str(tmp_path / "store"))
+    assert member == [[0], "<Gathered rank=0 [self]>"]
+    assert [outcome[0] for outcome in outsider] == ["ValueError"] * 2, outsider
+    for _, message in outsider:
+        assert "(global rank 1) is not in the torch.distributed group" in message and "NON_GROUP_MEMBER" in message
+
+
+def test_mpi_inter_and_null_communicators_are_refused_and_the_members_do_not_wait(tmp_path):
+    # An inter-communicator's allgather gathers the other group: all_gather took the remote ranks for its
+    # own. MPI.COMM_NULL, which Split gives the ranks it leaves out, failed in MPI_Comm_rank.
+    import json
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("mpi4py")
+    bin_dir = os.path.dirname(sys.executable)  # where pip's mpich puts mpiexec
+    launcher = shutil.which("mpiexec", path=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    if launcher is None:
+        pytest.skip("no mpiexec beside this Python or on PATH")
+    tests = pathlib.Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    r = subprocess.run([launcher, "-n", "2", sys.executable, "-c", "import workers; workers.mpi_bad_groups()"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in (0, 1):
+        assert [outcome[0] for outcome in out[rank]["inter"]] == ["TypeError"] * 2, out[rank]["inter"]
+        assert all("inter-communicator" in message and "Merge()" in message for _, message in out[rank]["inter"])
+    assert out[0]["alone"] == [[0], "<Gathered rank=0 [self]>"]
+    assert [outcome[0] for outcome in out[1]["alone"]] == ["ValueError"] * 2, out[1]["alone"]
+    assert all("MPI.COMM_NULL" in message and "not in the communicator" in message for _, message in out[1]["alone"])
 
 
 class ThreadsComm:
@@ -150,6 +205,9 @@ class ThreadsComm:
 
     def Get_size(self) -> int:
         return self.shared["size"]
+
+    def Is_inter(self) -> bool:
+        return False
 
     def allgather(self, obj):
         slots, barrier = self.shared["slots"], self.shared["barrier"]

@@ -1082,3 +1082,64 @@ def answering_self_test_consumer(conn: Any) -> None:
 def stuck_self_test_consumer(conn: Any) -> None:
     """One hung (in the driver, say): it answers nothing, not even the request to quit."""
     time.sleep(300)
+
+
+def gloo_outsider_rank(rank: int, size: int, store: str, conn: Any) -> None:
+    """One rank of a gloo world of two with a group of rank 0 alone: what node_local_ranks and all_gather
+    give or raise on it, sent on ``conn``. Rank 0 calls them before rank 1, which it does not wait for."""
+    try:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=30))
+        group = dist.new_group([0])
+        if rank:
+            dist.barrier()
+        out = _group_outcomes(group)
+        if not rank:
+            dist.barrier()
+        dist.barrier()  # a collective that a refused rank made on the world would not match this one
+        dist.destroy_process_group()
+        conn.send(("ok", out))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send(("err", repr(e)))
+
+
+def mpi_bad_groups() -> None:
+    """Under ``mpiexec -n 2``: what node_local_ranks and all_gather give or raise on each rank with an
+    inter-communicator, and with the communicator of rank 0 alone (MPI.COMM_NULL on rank 1), written as JSON
+    to ``rank<N>.json`` in the working folder. Rank 0 calls them on its communicator before rank 1, which it
+    does not wait for."""
+    import json
+
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    inter = world.Split(rank, 0).Create_intercomm(0, world, 1 - rank)
+    alone = world.Split(0 if rank == 0 else MPI.UNDEFINED, 0)
+    out = {"inter": _group_outcomes(inter)}
+    if rank:
+        world.Barrier()
+    out["alone"] = _group_outcomes(alone)
+    if not rank:
+        world.Barrier()
+    world.Barrier()  # a collective that a refused rank made on the world would not match this one
+    with open(f"rank{rank}.json", "w") as f:  # not stdout, where the launcher may run the ranks' lines together
+        json.dump(out, f)
+
+
+def _group_outcomes(group: Any) -> list[Any]:
+    """What node_local_ranks and all_gather give on ``group``, or the type's name and message of what they raised.
+    The array is host memory: enough where no peer shares the host."""
+    import cupy_ipc
+
+    out: list[Any] = []
+    for call in (cupy_ipc.node_local_ranks, lambda g: repr(cupy_ipc.all_gather(np.arange(2), g))):
+        try:
+            out.append(call(group))
+        except Exception as e:  # noqa: BLE001 - the outcome is the point
+            out.append([type(e).__name__, str(e)])
+    return out
