@@ -132,7 +132,7 @@ _LENGTH = struct.Struct("<q")
 
 
 def _local_ranks(engine: _Engine) -> list[int]:
-    """The ranks on this host (same kernel boot), gathered with one collective."""
+    """The ranks on this host (same boot id, which the opens of handles compare too), gathered with one collective."""
     me = this_process()
     return [r for r, (boot_id, _) in enumerate(engine.objects((me.boot_id, me.host))) if boot_id == me.boot_id]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import socket
@@ -17,7 +18,8 @@ class Producer(NamedTuple):
     """Identity of the process that exported a handle.
 
     ``token`` is random per process, so a recycled pid never matches;
-    ``boot_id`` is the kernel's, shared by every container on one host.
+    ``boot_id`` is the kernel's, shared by every container on one host (see
+    :func:`boot_id` for where the kernel's cannot be read).
 
     Example:
         >>> me = this_process()
@@ -36,7 +38,19 @@ def _read_boot_id() -> bytes:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return uuid.UUID(f.read().strip()).bytes
     except (OSError, ValueError):
-        return bytes(16)
+        pass
+    # Zeros here would make every such host one host. The machine id tells apart hosts (and VMs); the host
+    # name, clones of one image that kept its machine id. Version 5: never equal to a boot id (version 4).
+    machine_id = b""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path, "rb") as f:
+                machine_id = f.read().strip()
+            break
+        except OSError:
+            continue
+    name = socket.gethostname().encode(errors="surrogateescape")
+    return uuid.UUID(bytes=hashlib.sha1(b"cupy_ipc host\0" + machine_id + b"\0" + name).digest()[:16], version=5).bytes
 
 
 def host_name() -> str:
@@ -49,7 +63,15 @@ _BOOT_ID = _read_boot_id()
 
 
 def boot_id() -> bytes:
-    """The kernel's boot id (16 bytes); zeros where the platform has none."""
+    """The kernel's boot id (16 bytes), which processes of one host share and of two hosts do not.
+
+    Where it cannot be read, a key of the machine id (``/etc/machine-id``)
+    and host name stands in for it, so that hosts still differ.
+
+    Example:
+        >>> len(boot_id())
+        16
+    """
     return _BOOT_ID
 
 
