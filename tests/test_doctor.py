@@ -248,7 +248,7 @@ def test_self_tests_run_again_and_again_leave_no_process_and_no_open_file(consum
 
     monkeypatch.setattr(_doctor, "_self_test_consumer", consumer)
     monkeypatch.setattr(_doctor, "_share_on", share_on)
-    monkeypatch.setattr(_doctor, "_ANSWER_S", 0.2)
+    monkeypatch.setattr(_doctor, "_ANSWER_S", 30.0 if works else 0.2)  # an answerer may take seconds to start
     monkeypatch.setattr(_doctor, "_QUIT_S", 2.0 if works else 0.2)
     _doctor._self_test([0], _doctor._LEGACY)  # starts multiprocessing's resource tracker, which stays
     before = open_fds(), _children()
