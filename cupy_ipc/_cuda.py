@@ -22,11 +22,17 @@ __all__ = [
     "can_access_peer",
     "checked_ordinal",
     "close_ipc_mapping",
+    "create_allocation",
+    "create_event",
+    "create_pool",
     "current_device",
     "device_count",
     "device_uuid",
     "enable_peer_access",
+    "export_allocation",
+    "export_pool",
     "import_allocation",
+    "import_pool",
     "import_pool_pointer",
     "open_ipc_event",
     "open_ipc_mapping",
@@ -34,6 +40,7 @@ __all__ = [
     "legacy_info",
     "pointer_info",
     "reserve_addresses",
+    "retain_allocation",
     "rt",
     "stream_idle",
     "stream_ptr",
@@ -194,7 +201,8 @@ def _driver() -> Any:
     return driver
 
 
-_OUT_U64 = ctypes.POINTER(ctypes.c_uint64)  # where the driver writes a CUdeviceptr or an allocation handle
+_OUT_U64 = ctypes.POINTER(ctypes.c_uint64)  # where the driver writes a CUdeviceptr, an allocation handle or a pool
+_OUT_FD = ctypes.POINTER(ctypes.c_int)  # where it writes a file descriptor
 
 
 @functools.lru_cache(maxsize=None)
@@ -453,17 +461,18 @@ _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the thread has no context 
 _NOT_INITIALIZED = 3  # CUDA_ERROR_NOT_INITIALIZED: no runtime call has initialized the driver yet
 
 
-def _in_context(device: int, fn: Callable[..., int], *args: Any) -> int:
+def _in_context(device: int | None, fn: Callable[..., int], *args: Any) -> int:
     """The ``CUresult`` of ``fn(*args)``, called again with GPU ``device``'s context made current where the thread
-    had none (the library's own threads make no runtime call) or the process had not initialized the driver."""
+    had none (the library's own threads make no runtime call) or the process had not initialized the driver;
+    ``device`` ``None``: not again (a caller that does not know the GPU, or has made its context current)."""
     err = fn(*args)
-    if err in (_INVALID_CONTEXT, _NOT_INITIALIZED):
+    if device is not None and err in (_INVALID_CONTEXT, _NOT_INITIALIZED):
         with using_device(device, bind=True):
             err = fn(*args)
     return err
 
 
-def _checked(what: str, device: int, fn: Callable[..., int], *args: Any) -> None:
+def _checked(what: str, device: int | None, fn: Callable[..., int], *args: Any) -> None:
     """:func:`_in_context`, raising :class:`IpcError` with the driver's name of an error."""
     err = _in_context(device, fn, *args)
     if err:
@@ -511,14 +520,9 @@ def open_ipc_mapping(handle: bytes, device: int, out: ctypes.c_uint64) -> None:
     if len(handle) != 64:
         raise HandleError(f"a memory handle is 64 bytes, not {len(handle)}")
     open_ = _libcuda_fn("cuIpcOpenMemHandle_v2", _OUT_U64, _Opaque64, ctypes.c_uint)
-    if open_ is None:  # (cuda-bindings would return the pointer as a value too)
-        runtime = rt()
-        out.value = call("opening the memory handle", runtime.ipcOpenMemHandle, handle,
-                         runtime.cudaIpcMemLazyEnablePeerAccess)
-        return
-    err = _in_context(device, open_, ctypes.byref(out), _Opaque64.from_buffer_copy(handle), _LAZY_ENABLE_PEER_ACCESS)
-    if err:
-        raise _translated("opening the memory handle", _runtime_error()(err))
+    _make_as_runtime("opening the memory handle", device, out, open_,
+                     (_Opaque64.from_buffer_copy(handle), _LAZY_ENABLE_PEER_ACCESS),
+                     lambda: rt().ipcOpenMemHandle(handle, _LAZY_ENABLE_PEER_ACCESS))
 
 
 def open_ipc_event(handle: bytes, device: int, out: ctypes.c_void_p, what: str) -> None:
@@ -529,25 +533,42 @@ def open_ipc_event(handle: bytes, device: int, out: ctypes.c_void_p, what: str) 
     errors carry the runtime's names.
     """
     open_ = _libcuda_fn("cuIpcOpenEventHandle", ctypes.POINTER(ctypes.c_void_p), _Opaque64)
-    if open_ is None:  # (the runtime returns the event as a value)
-        out.value = call(what, rt().ipcOpenEventHandle, handle)
-        return
-    err = _in_context(device, open_, ctypes.byref(out), _Opaque64.from_buffer_copy(handle))
-    if err:
-        raise _translated(what, _runtime_error()(err))
+    _make_as_runtime(what, device, out, open_, (_Opaque64.from_buffer_copy(handle),),
+                     lambda: rt().ipcOpenEventHandle(handle))
 
 
-def _make(what: str, device: int, out: ctypes.c_uint64, fn: Any, args: tuple[Any, ...],
+def create_event(flags: int, device: int, out: ctypes.c_void_p) -> None:
+    """Create an event with ``flags`` (``cudaEventCreateWithFlags``'s, which are ``cuEventCreate``'s) on GPU
+    ``device``, the current one; the driver writes it to ``out``, as :func:`open_ipc_event` does."""
+    create = _libcuda_fn("cuEventCreate", ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+    _make_as_runtime("creating an interprocess event", device, out, create, (flags,),
+                     lambda: rt().eventCreateWithFlags(flags))
+
+
+def _make(what: str, device: int | None, out: ctypes.c_uint64 | ctypes.c_int, fn: Any, args: tuple[Any, ...],
           fallback: Callable[[], tuple[Any, Any]]) -> None:
     """Have the driver write what it makes to ``out``: libcuda's ``fn(&out, *args)``, or where libcuda does not
     load (``fn`` is ``None``) cuda-bindings' ``fallback()``, which returns ``(error, what it made)``. As with
-    :func:`open_ipc_mapping`, the caller that sees anything raised with ``out`` set owns what it holds."""
+    :func:`open_ipc_mapping`, the caller that sees anything raised with ``out`` set owns what it holds.
+    ``device``: see :func:`_in_context`."""
     if fn is None:  # (returned as a value: an interrupt raised as the call returns loses it)
         err, made = fallback()
         check(what, err)
         out.value = int(made)
         return
     _checked(what, device, fn, ctypes.byref(out), *args)
+
+
+def _make_as_runtime(what: str, device: int, out: ctypes.c_uint64 | ctypes.c_void_p, fn: Any, args: tuple[Any, ...],
+                     fallback: Callable[[], Any]) -> None:
+    """:func:`_make` where CuPy's runtime serves without libcuda (``fallback()`` returns what it made), with the
+    runtime's names in errors (the driver's codes for these errors are the runtime's)."""
+    if fn is None:
+        out.value = call(what, fallback)
+        return
+    err = _in_context(device, fn, ctypes.byref(out), *args)
+    if err:
+        raise _translated(what, _runtime_error()(err))
 
 
 def import_pool_pointer(pool: Any, data: bytes, device: int, out: ctypes.c_uint64) -> None:
@@ -580,6 +601,55 @@ def reserve_addresses(size: int, device: int, out: ctypes.c_uint64) -> None:
                      ctypes.c_ulonglong)
     _make("reserving addresses for the mapping", device, out, fn, (size, 0, 0, 0),
           lambda: _driver().cuMemAddressReserve(size, 0, 0, 0))
+
+
+def create_allocation(size: int, prop: Any, device: int, out: ctypes.c_uint64) -> None:
+    """Allocate ``size`` bytes of virtual memory with properties ``prop`` (cuda-bindings' ``CUmemAllocationProp``)
+    on GPU ``device`` (``cuMemCreate``); its handle, to be released with ``cuMemRelease``, is written to ``out``."""
+    fn = _libcuda_fn("cuMemCreate", _OUT_U64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_ulonglong)
+    _make("creating virtual memory", device, out, fn, (size, prop.getPtr(), 0),
+          lambda: _driver().cuMemCreate(size, prop, 0))
+
+
+def retain_allocation(ptr: int, out: ctypes.c_uint64) -> None:
+    """The handle of the allocation of virtual memory mapped at ``ptr`` (``cuMemRetainAllocationHandle``), a
+    reference to be released with ``cuMemRelease``, written to ``out``; the thread's context is used as it is."""
+    fn = _libcuda_fn("cuMemRetainAllocationHandle", _OUT_U64, ctypes.c_void_p)
+    _make("finding the allocation behind the pointer", None, out, fn, (ptr,),
+          lambda: _driver().cuMemRetainAllocationHandle(ptr))
+
+
+def export_allocation(handle: int, out: ctypes.c_int) -> None:
+    """A file descriptor of the allocation of virtual memory ``handle`` (``cuMemExportToShareableHandle``),
+    written to ``out``, in the thread's context."""
+    fn = _libcuda_fn("cuMemExportToShareableHandle", _OUT_FD, ctypes.c_uint64, ctypes.c_int, ctypes.c_ulonglong)
+    _make("exporting the allocation", None, out, fn, (handle, int(posix_fd()), 0),
+          lambda: _driver().cuMemExportToShareableHandle(handle, posix_fd(), 0))
+
+
+def create_pool(props: Any, device: int, out: ctypes.c_uint64) -> None:
+    """Create a stream-ordered pool with properties ``props`` (cuda-bindings' ``CUmemPoolProps``) on GPU ``device``
+    (``cuMemPoolCreate``); it is written to ``out``, to be destroyed with ``cuMemPoolDestroy``."""
+    fn = _libcuda_fn("cuMemPoolCreate", _OUT_U64, ctypes.c_void_p)
+    _make(f"creating a shareable memory pool on GPU {device}", device, out, fn, (props.getPtr(),),
+          lambda: _driver().cuMemPoolCreate(props))
+
+
+def export_pool(pool: int, out: ctypes.c_int) -> None:
+    """A file descriptor of stream-ordered pool ``pool`` (``cuMemPoolExportToShareableHandle``), written to
+    ``out``, in the thread's context."""
+    fn = _libcuda_fn("cuMemPoolExportToShareableHandle", _OUT_FD, ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong)
+    _make("exporting the memory pool", None, out, fn, (pool, int(posix_fd()), 0),
+          lambda: _driver().cuMemPoolExportToShareableHandle(_driver().CUmemoryPool(pool), posix_fd(), 0))
+
+
+def import_pool(fd: int, out: ctypes.c_uint64) -> None:
+    """Import the stream-ordered pool that descriptor ``fd`` stands for (``cuMemPoolImportFromShareableHandle``),
+    in the thread's context; the pool, to be destroyed with ``cuMemPoolDestroy``, is written to ``out``."""
+    fn = _libcuda_fn("cuMemPoolImportFromShareableHandle", _OUT_U64, ctypes.c_void_p, ctypes.c_int,
+                     ctypes.c_ulonglong)
+    _make("importing the producer's memory pool", None, out, fn, (fd, int(posix_fd()), 0),  # (the descriptor as void *)
+          lambda: _driver().cuMemPoolImportFromShareableHandle(fd, posix_fd(), 0))
 
 
 def address_range(ptr: int) -> tuple[int, int]:

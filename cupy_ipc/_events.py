@@ -68,8 +68,15 @@ class IpcEvent:
         if block:
             flags |= runtime.eventBlockingSync
         device = _cuda.current_device()
-        ptr = _cuda.call("creating an interprocess event", runtime.eventCreateWithFlags, flags)
-        self._adopt(ctypes.c_void_p(ptr), device, bool(block), None, opened=False)  # its handle's flags byte is 0 or 1
+        out = ctypes.c_void_p()  # where the driver writes the event (see _cuda.open_ipc_mapping)
+        # Adopted before the create, as an opened event is before its open (see _opened_from).
+        self._adopt(out, device, bool(block), None, opened=False)  # its handle's flags byte is 0 or 1
+        try:
+            _cuda.create_event(flags, device, out)
+        except BaseException:  # made, then interrupted: destroyed now, not once this half-made object is collected
+            _destroy(out, device)
+            raise
+        self._ptr = out.value
 
     @classmethod
     def _opened_from(cls, event_handle: bytes, device: int, block: bool, handle: "IpcEventHandle | None",

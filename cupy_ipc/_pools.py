@@ -71,9 +71,14 @@ def export(ptr: int, pool: int) -> tuple[bytes, int, int]:
     with _lock:
         hit = _exports.get(pool)
         if hit is None:
-            err, fd = driver.cuMemPoolExportToShareableHandle(driver.CUmemoryPool(pool), _cuda.posix_fd(), 0)
-            _cuda.check("exporting the memory pool", err)
-            hit = _exports[pool] = (not_inherited(int(fd)), next(_ids))
+            fd = ctypes.c_int(-1)  # where the driver writes the descriptor (see _cuda.open_ipc_mapping)
+            try:
+                _cuda.export_pool(pool, fd)
+                hit = _exports[pool] = (not_inherited(fd.value), next(_ids))
+            except BaseException:  # an interrupt raised as the export returned, say: not left open unused
+                if fd.value >= 0:
+                    os.close(fd.value)
+                raise
     err, data = driver.cuMemPoolExportPointer(ptr)
     _cuda.check("exporting the pool allocation", err)
     return ctypes.string_at(data.getPtr(), EXPORT_BYTES), hit[0], hit[1]
@@ -155,12 +160,17 @@ def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
         if hit is None:
             # Imported and entered under one hold of the lock that release_exited destroys under: the driver
             # gives every import of a pool one handle, which must not be destroyed for another key meanwhile.
-            err, pool = driver.cuMemPoolImportFromShareableHandle(fd, _cuda.posix_fd(), 0)
-            if err != driver.CUresult.CUDA_SUCCESS:
+            pool = ctypes.c_uint64()  # where the driver writes the pool (see _cuda.open_ipc_mapping)
+            try:
+                _cuda.import_pool(fd, pool)
+            except BaseException:
                 os.close(fd)
-                _cuda.check("importing the producer's memory pool", err)
+                # Imported, then interrupted: let go, unless another key holds the same handle.
+                if pool.value and not any(other[0] == pool.value for other in _imports.values()):
+                    driver.cuMemPoolDestroy(pool.value)
+                raise
             # Kept open: a handle sent on from here carries it (SCM_RIGHTS).
-            hit = _imports[key] = (pool, fd, pid)
+            hit = _imports[key] = (pool.value, fd, pid)
             fd = -1
         _live_change(key, 1)
     if fd >= 0:
@@ -407,12 +417,17 @@ class ShareableMemoryPool:
             props.handleTypes = _cuda.posix_fd()
             props.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             props.location.id = d
-            err, pool = driver.cuMemPoolCreate(props)
-            _cuda.check(f"creating a shareable memory pool on GPU {d}", err)
-            self._pools.pools[d] = pool
+            pool = ctypes.c_uint64()  # where the driver writes the pool (see _cuda.open_ipc_mapping)
+            try:
+                _cuda.create_pool(props, d, pool)
+            except BaseException:  # made, then interrupted: destroyed, not left holding its memory
+                if pool.value:
+                    _destroy([(d, pool.value)])
+                raise
+            self._pools.pools[d] = pool.value  # (no call since the create: no interrupt raised between)
             # Keep freed memory in the pool for the next allocation, as CuPy's pools do.
             (err,) = driver.cuMemPoolSetAttribute(
-                pool, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))
+                pool.value, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))
             _cuda.check("setting the pool's release threshold", err)
         self._allocator = cupy.cuda.memory.PythonFunctionAllocator(self._pools.malloc, self._pools.free)
 

@@ -63,14 +63,18 @@ def _driver() -> Any:
     return _cuda._driver()
 
 
-def _handle_at(ptr: int) -> tuple[Any, int | None]:
-    """``(driver result, allocation handle mapped at ptr or None)`` (``cuMemRetainAllocationHandle``)."""
-    driver = _driver()
-    err, handle = driver.cuMemRetainAllocationHandle(ptr)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        return err, None
-    driver.cuMemRelease(handle)
-    return err, int(handle)
+def _handle_at(ptr: int) -> tuple[str | None, int | None]:
+    """``(None, handle of the allocation mapped at ptr)``, or ``(CUDA error name, None)``
+    (``cuMemRetainAllocationHandle``)."""
+    handle = ctypes.c_uint64()  # where the driver writes its reference (see _cuda.open_ipc_mapping)
+    try:
+        _cuda.retain_allocation(ptr, handle)
+    except IpcError as e:
+        return e.cuda_error, None
+    finally:  # also one an interrupt was raised after: the allocation would never be freed
+        if handle.value:
+            _driver().cuMemRelease(handle.value)
+    return None, handle.value
 
 
 def is_vmm(ptr: int) -> bool:
@@ -83,31 +87,38 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
     ``buffer_id``); one descriptor per allocation. A piece this process imported is exported with the
     descriptor it came from."""
     driver = _driver()
-    err, handle = driver.cuMemRetainAllocationHandle(base)
-    _cuda.check("finding the allocation behind the pointer", err)
-    key = (base, buffer_id, int(handle))
+    # Where the driver writes its reference and the descriptor (see _cuda.open_ipc_mapping): each is let go
+    # below, also one that an interrupt (Ctrl-C) arriving during the driver's call was raised after.
+    handle, fd = ctypes.c_uint64(), ctypes.c_int(-1)
     try:
+        try:
+            _cuda.retain_allocation(base, handle)
+            key = (base, buffer_id, handle.value)
+            with _lock:
+                hit = _by_mapping.get(key)
+                if hit is None and (kept := _kept.pop(base, None)) is not None:
+                    hit = _register(kept, key)  # in the same block: another thread sending it too finds it here
+                if hit is not None:
+                    return _exports[hit][0], hit
+            err, prop = driver.cuMemGetAllocationPropertiesFromHandle(handle.value)
+            _cuda.check("reading the allocation's properties", err)
+            if not int(prop.requestedHandleTypes) & int(_cuda.posix_fd()):
+                raise IpcError(NOT_SHAREABLE)
+            _cuda.export_allocation(handle.value, fd)
+        finally:
+            if handle.value:
+                driver.cuMemRelease(handle.value)
+        not_inherited(fd.value)
         with _lock:
             hit = _by_mapping.get(key)
-            if hit is None and (kept := _kept.pop(base, None)) is not None:
-                hit = _register(kept, key)  # in the same block: another thread sending it too finds it here
-            if hit is not None:
-                return _exports[hit][0], hit
-        err, prop = driver.cuMemGetAllocationPropertiesFromHandle(handle)
-        _cuda.check("reading the allocation's properties", err)
-        if not int(prop.requestedHandleTypes) & int(_cuda.posix_fd()):
-            raise IpcError(NOT_SHAREABLE)
-        err, fd = driver.cuMemExportToShareableHandle(handle, _cuda.posix_fd(), 0)
-        _cuda.check("exporting the allocation", err)
-        not_inherited(int(fd))
-    finally:
-        driver.cuMemRelease(handle)
-    with _lock:
-        hit = _by_mapping.get(key)
-        if hit is None:
-            return int(fd), _register(int(fd), key)
-        theirs = _exports[hit][0]
-    os.close(int(fd))  # another thread exported it meanwhile; ours was never handed out
+            if hit is None:
+                hit = _register(fd.value, key)
+                ours, fd.value = fd.value, -1  # the tables' now (no call since _register's stores)
+                return ours, hit
+            theirs = _exports[hit][0]
+    finally:  # ours, never handed out: another thread exported the allocation meanwhile, or something raised
+        if fd.value >= 0:
+            os.close(fd.value)
     return theirs, hit
 
 
@@ -160,7 +171,7 @@ def _still_mapped(key: _Key) -> bool:
     base, buffer_id, handle = key
     err, now = _handle_at(base)
     if now is None:
-        return err.name in _UNSURE
+        return err in _UNSURE
     try:
         return now == handle and _cuda.pointer_info(base).buffer_id == buffer_id
     except IpcError as e:
@@ -445,15 +456,14 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
     _cuda.check("reading the allocation granularity", err)
     g = int(granularity)
     size = max(1, -(-nbytes // (g * pieces))) * g  # per piece
-    handles = []
+    handles: list[ctypes.c_uint64] = []  # each made before its call, as in import_mapping
     try:
         for _ in range(pieces):
-            err, handle = driver.cuMemCreate(size, prop, 0)
-            _cuda.check("creating virtual memory", err)
-            handles.append((handle, size))
-        ptr = _map(handles, device)
+            handles.append(ctypes.c_uint64())
+            _cuda.create_allocation(size, prop, device, handles[-1])
+        ptr = _map([(handle.value, size) for handle in handles], device)
     finally:  # the mapping holds the memory now, if made
-        _release([handle for handle, _ in handles])
+        _release([handle.value for handle in handles if handle.value])
     sizes = [size] * pieces
     mem = cupy.cuda.UnownedMemory(ptr, size * pieces, _Owner(ptr, sizes, device), device)
     return cupy.cuda.MemoryPointer(mem, 0)

@@ -161,7 +161,7 @@ class _Driver:
         return 0, os.dup(self.memory)
 
 
-def test_a_handle_of_our_virtual_memory_freed_since_is_not_sent(monkeypatch):
+def test_a_handle_of_our_virtual_memory_freed_since_is_not_sent(monkeypatch, libcuda):
     # Freeing the memory closes its export's descriptor; a later file may take the number. Sending the
     # handle then must not pass that file on: the numbers are checked against the exports, and copied, under
     # the lock that closes them.

@@ -1,12 +1,14 @@
-"""Opens of another process's event, without a GPU: the driver's open and the runtime are stubbed."""
+"""Opens of another process's event and creations of events, without a GPU: the driver and the runtime are
+stubbed."""
 
 from __future__ import annotations
 
 import types
 
 import pytest
+from cupy.cuda import runtime as cupy_runtime
 
-from cupy_ipc import IpcEventHandle, _cuda, _events
+from cupy_ipc import IpcEvent, IpcEventHandle, _cuda, _events
 from cupy_ipc import multiprocessing as cupy_mp
 from cupy_ipc._identity import Producer, this_process
 from cupy_ipc._wire import DeviceId, EventFields
@@ -25,7 +27,10 @@ def destroyed(monkeypatch, libcuda):
         raise KeyboardInterrupt
 
     libcuda["cuIpcOpenEventHandle"] = open_then_interrupted
-    runtime = types.SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None, eventDestroy=gone.append)
+    flags = {name: getattr(cupy_runtime, name) for name in ("eventInterprocess", "eventDisableTiming",
+                                                            "eventBlockingSync")}  # the values IpcEvent passes
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, setDevice=lambda device: None, eventDestroy=gone.append,
+                                    **flags)
     monkeypatch.setattr(_cuda, "rt", lambda: runtime)
     monkeypatch.setattr(_cuda, "ordinal_of_uuid", lambda uuid: 0)
     monkeypatch.setattr(_events._segment, "attach", lambda token, pid: None)  # the producer is alive
@@ -53,3 +58,25 @@ def test_an_event_open_interrupted_once_the_driver_opened_it_destroys_the_event_
     gc.collect()  # what the open made, and dropped, is collected: no second destroy
     assert destroyed == [EVENT]
     assert not _events._opened
+
+
+# Ctrl-C during the runtime's create (cudaEventCreateWithFlags) is raised as the call returns: the event, returned as
+# a value, was lost, never destroyed.
+@pytest.mark.parametrize("block", [False, True], ids=["spin", "block"])
+def test_an_event_creation_interrupted_once_the_driver_made_it_destroys_the_event_once(destroyed, libcuda, block):
+    import gc
+
+    given: list[int] = []
+
+    def create_then_interrupted(out, flags):
+        given.append(flags)
+        out._obj.value = EVENT
+        raise KeyboardInterrupt
+
+    libcuda["cuEventCreate"] = create_then_interrupted
+    with pytest.raises(KeyboardInterrupt):
+        IpcEvent(block=block)
+    gc.collect()  # what the create made, and dropped, is collected: no second destroy
+    assert destroyed == [EVENT]
+    # The runtime's flags are cuda.h's: CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING (| CU_EVENT_BLOCKING_SYNC).
+    assert given == [0x4 | 0x2 | (0x1 if block else 0)]

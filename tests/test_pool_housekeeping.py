@@ -1,6 +1,6 @@
 """Imported pools let go, access given, frees and streams of ShareableMemoryPool, virtual memory in a
-reservation with an unmapped head, and imports interrupted once the driver made what they import, without a
-GPU: the driver is test_pool_imports's stub."""
+reservation with an unmapped head, and imports, exports and creations interrupted once the driver made what they
+make, without a GPU: the driver is test_pool_imports's stub."""
 
 from __future__ import annotations
 
@@ -27,11 +27,24 @@ class _Err:
 
 
 class _Driver(test_pool_imports._Driver):
-    """The stub of test_pool_imports, with pointer imports and frees that can fail."""
+    """The stub of test_pool_imports, with pointer imports and frees that can fail, and what a pool's export and
+    creation ask."""
+
+    class CUpointer_attribute:  # noqa: N801 - the driver's names
+        CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES = 1
+
+    CUmemAllocationType = types.SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = types.SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
 
     def __init__(self) -> None:
         super().__init__()
         self.free_fails = 0
+
+    def cuPointerGetAttribute(self, attribute, ptr):  # noqa: N802
+        return 0, 1  # the pool allows POSIX descriptors
+
+    def CUmemPoolProps(self):  # noqa: N802
+        return types.SimpleNamespace(location=types.SimpleNamespace(), getPtr=lambda: 0)
 
     def cuMemPoolSetAccess(self, pool, descs, n):  # noqa: N802
         return (0,)
@@ -157,9 +170,67 @@ def test_a_pool_import_interrupted_once_the_driver_mapped_the_pointer_frees_it(d
         assert driver.freed == [PTR] and _pools._live == {} and _pools._pointer_pool == {}
 
 
+# Ctrl-C during the driver's import, export or creation of a pool is raised as the call returns: the imported pool
+# (which keeps the producer's pool memory allocated), the descriptor or the new pool was lost, returned as a value.
+@pytest.mark.parametrize("held", [False, True], ids=["alone", "held-under-another-key"])
+def test_a_pool_import_interrupted_once_the_driver_imported_the_pool_destroys_it(driver, libcuda, monkeypatch, held):
+    import os
+
+    def import_then_interrupted(out, fd, kind, flags):  # the driver's import, then the interrupt's check
+        out._obj.value = POOL
+        raise KeyboardInterrupt
+
+    libcuda["cuMemPoolImportFromShareableHandle"] = import_then_interrupted
+    monkeypatch.setattr(_pools._segment, "attach", lambda token, pid: object())  # the producers are alive
+    if held:  # the pool imported before from another process (a relay): the driver gives it the same handle
+        _pools._imports[B] = (POOL, 102, 1002)
+    r, w = os.pipe()
+    with pytest.raises(KeyboardInterrupt):
+        _pools.import_pointer(_fields(A), 0, 0, lambda: (r,))
+    with pytest.raises(OSError):
+        os.fstat(r)  # the descriptor received is closed
+    os.close(w)
+    assert driver.destroyed == ([] if held else [POOL])  # not under the other key's imports
+    assert A not in _pools._imports and _pools._live == {}
+
+
+def test_a_pool_export_interrupted_once_the_driver_made_the_descriptor_closes_it(driver, libcuda):
+    import os
+
+    made = []
+
+    def export_then_interrupted(out, pool, kind, flags):
+        out._obj.value = os.open(os.devnull, os.O_RDONLY)
+        made.append(out._obj.value)
+        raise KeyboardInterrupt
+
+    libcuda["cuMemPoolExportToShareableHandle"] = export_then_interrupted
+    with pytest.raises(KeyboardInterrupt):
+        _pools.export(PTR, POOL)
+    with pytest.raises(OSError):
+        os.fstat(made[0])
+    assert _pools._exports == {}
+
+
+def test_a_pool_creation_interrupted_once_the_driver_made_the_pool_destroys_it(driver, libcuda, monkeypatch):
+    def create_then_interrupted(out, props):
+        out._obj.value = POOL
+        raise KeyboardInterrupt
+
+    libcuda["cuMemPoolCreate"] = create_then_interrupted
+    monkeypatch.setattr(_pools._reaper, "start", lambda: None)
+    monkeypatch.setattr(_pools._cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_pools._cuda, "using_device", lambda device, bind=False: _Null())
+    with pytest.raises(KeyboardInterrupt):
+        _pools.ShareableMemoryPool()
+    gc.collect()  # the pool object half made, and its driver pools, are gone: no second destroy
+    assert driver.destroyed == [POOL]
+
+
 class _VmmDriver:
-    """The driver calls of an import of virtual memory, recorded: allocation handles imported and released,
-    addresses reserved and freed, pieces mapped and unmapped."""
+    """The driver calls of an import, export or allocation of virtual memory, recorded: allocation handles
+    imported, created or retained and those released, descriptors exported, addresses reserved and freed, pieces
+    mapped and unmapped."""
 
     class CUresult:
         CUDA_SUCCESS = 0
@@ -167,9 +238,12 @@ class _VmmDriver:
     class CUmemAllocationHandleType:
         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 
+    CUmemAllocationGranularity_flags = types.SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+
     def __init__(self, interrupted: str) -> None:
         self.interrupted = interrupted
         self.made: list[int] = []
+        self.descriptors: list[int] = []
         self.released: list[int] = []
         self.reserved: list[tuple[int, int]] = []
         self.freed: list[tuple[int, int]] = []
@@ -185,6 +259,29 @@ class _VmmDriver:
         out._obj.value = 0x100 + len(self.made)
         self.made.append(out._obj.value)
         return self._then("import" if len(self.made) == 2 else "")
+
+    def create(self, out, size, prop, flags):  # libcuda's cuMemCreate
+        out._obj.value = 0x100 + len(self.made)
+        self.made.append(out._obj.value)
+        return self._then("create" if len(self.made) == 2 else "")
+
+    def retain(self, out, ptr):  # libcuda's cuMemRetainAllocationHandle
+        out._obj.value = 0x100 + len(self.made)
+        self.made.append(out._obj.value)
+        return self._then("retain")
+
+    def export(self, out, handle, kind, flags):  # libcuda's cuMemExportToShareableHandle
+        import os
+
+        out._obj.value = os.open(os.devnull, os.O_RDONLY)
+        self.descriptors.append(out._obj.value)
+        return self._then("export")
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle):  # noqa: N802
+        return 0, types.SimpleNamespace(requestedHandleTypes=1)
+
+    def cuMemGetAllocationGranularity(self, prop, flags):  # noqa: N802
+        return 0, 0x200000
 
     def reserve(self, out, size, alignment, addr, flags):  # libcuda's cuMemAddressReserve
         out._obj.value = 0x7F0000000000
@@ -211,6 +308,20 @@ class _VmmDriver:
         return (0,)
 
 
+def _vmm_driver(monkeypatch, libcuda, step: str) -> _VmmDriver:
+    """A :class:`_VmmDriver` interrupted at ``step``, serving libcuda's calls and cuda-bindings'; empty tables."""
+    d = _VmmDriver(step)
+    monkeypatch.setattr(_vmm._cuda, "_driver", lambda: d)
+    monkeypatch.setattr(_vmm._cuda, "rt", lambda: types.SimpleNamespace(getDevice=lambda: 0,
+                                                                        setDevice=lambda device: None))
+    monkeypatch.setattr(_vmm._cuda, "access_desc", lambda device: device)
+    libcuda.update(cuMemImportFromShareableHandle=d.import_, cuMemAddressReserve=d.reserve, cuMemCreate=d.create,
+                   cuMemRetainAllocationHandle=d.retain, cuMemExportToShareableHandle=d.export)
+    for name in ("_exports", "_by_mapping", "_by_fd", "_kept"):
+        monkeypatch.setattr(_vmm, name, {})
+    return d
+
+
 # Ctrl-C during the driver's import of a piece, reservation of addresses or map of a piece is raised as the call
 # returns: the allocation handle (which keeps the producer's memory allocated until this process exits) or the
 # address range was lost, returned as a value, and a piece mapped but not counted made the unwind's free of the
@@ -219,11 +330,7 @@ class _VmmDriver:
 def test_a_vmm_import_interrupted_once_the_driver_made_something_releases_all_it_made(libcuda, monkeypatch, step):
     import os
 
-    d = _VmmDriver(step)
-    monkeypatch.setattr(_vmm._cuda, "_driver", lambda: d)
-    monkeypatch.setattr(_vmm._cuda, "rt", lambda: types.SimpleNamespace(setDevice=lambda device: None))
-    monkeypatch.setattr(_vmm._cuda, "access_desc", lambda device: device)
-    libcuda.update(cuMemImportFromShareableHandle=d.import_, cuMemAddressReserve=d.reserve)
+    d = _vmm_driver(monkeypatch, libcuda, step)
     pipes = [os.pipe(), os.pipe()]
     with pytest.raises(KeyboardInterrupt):
         _vmm.import_mapping(1001, [(11, 0x200000), (12, 0x200000)], 0, tuple(r for r, _ in pipes))
@@ -237,6 +344,34 @@ def test_a_vmm_import_interrupted_once_the_driver_made_something_releases_all_it
     assert not _vmm._kept
 
 
+# The same on the producer's side: a reference to the allocation (cuMemRetainAllocationHandle, which an export and
+# the question whether memory is virtual both take) kept it allocated for ever, a lost descriptor kept its memory
+# alive, and a lost piece of a new allocation (cuMemCreate) stayed allocated.
+@pytest.mark.parametrize("call, step", [("export", "retain"), ("export", "export"), ("is_vmm", "retain")])
+def test_a_vmm_export_interrupted_once_the_driver_made_something_lets_go_of_all_it_made(libcuda, monkeypatch, call,
+                                                                                        step):
+    import os
+
+    d = _vmm_driver(monkeypatch, libcuda, step)
+    with pytest.raises(KeyboardInterrupt):
+        _vmm.export(0x7F0000000000, 5) if call == "export" else _vmm.is_vmm(0x7F0000000000)
+    assert d.released == d.made == [0x100]  # the reference, released once
+    for fd in d.descriptors:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    assert not _vmm._exports and not _vmm._by_fd
+
+
+def test_an_allocation_interrupted_once_the_driver_created_a_piece_releases_every_piece(libcuda, monkeypatch):
+    d = _vmm_driver(monkeypatch, libcuda, "create")  # interrupted as the second piece is made
+    monkeypatch.setattr(_vmm._reaper, "start", lambda: None)
+    monkeypatch.setattr(_vmm, "allocation_prop", lambda device, shareable=True: types.SimpleNamespace(getPtr=lambda: 0))
+    with pytest.raises(KeyboardInterrupt):
+        _vmm.allocate(0x300000, pieces=2)
+    assert sorted(d.released) == d.made == [0x100, 0x101]
+    assert not d.reserved
+
+
 # cuPointerGetAttributes reports virtual memory's base as the whole reservation's (on an H200: base = start
 # of a 6 MiB reservation whose first 2 MiB were unmapped, size 6 MiB). _template asks is_vmm() at that base:
 # an array whose reservation starts with an unmapped range is refused as "neither ... virtual memory API's".
@@ -246,7 +381,8 @@ def test_virtual_memory_in_a_reservation_with_an_unmapped_head_exports(monkeypat
     monkeypatch.setattr(_cuda, "legacy_info", lambda p: None)
     monkeypatch.setattr(_cuda, "pointer_info", lambda p: _cuda.PointerInfo(va, 3 * g, 7, "device", False))
     monkeypatch.setattr(_pools, "pool_of", lambda p: 0)
-    monkeypatch.setattr(_vmm, "_handle_at", lambda p: (0, 0x77) if p in mapped else (_Err(), None))
+    monkeypatch.setattr(_vmm, "_handle_at",
+                        lambda p: (None, 0x77) if p in mapped else ("CUDA_ERROR_INVALID_VALUE", None))
     monkeypatch.setattr(_vmm, "export_pieces", lambda lo, hi, d: [(va + g, g, 11, 1, 5), (va + 2 * g, g, 12, 2, 6)])
     monkeypatch.setattr(_vmm, "sweep_if_grown", lambda: 0)
     monkeypatch.setattr(_vmm, "pieces_id", lambda ids: 99)

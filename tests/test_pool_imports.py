@@ -49,7 +49,7 @@ class _Driver:
 
 
 @pytest.fixture
-def driver(monkeypatch):
+def driver(monkeypatch, libcuda):
     d = _Driver()
     monkeypatch.setattr(_pools, "_driver", lambda: d)
     monkeypatch.setattr(_pools._cuda, "_driver", lambda: d)  # for _cuda.check

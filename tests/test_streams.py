@@ -64,7 +64,7 @@ class _Runtime:
 
 
 @pytest.fixture
-def gpus(monkeypatch):
+def gpus(monkeypatch, libcuda):
     import cupy
 
     runtime = _Runtime()
