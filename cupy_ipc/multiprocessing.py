@@ -43,6 +43,8 @@ opened, for at most :func:`set_exit_wait` seconds (see ``cupy_ipc._sent``).
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
+Starting such a child (with ``fork``, whether chosen or the default) warns
+once; a process spawned, or forked before CUDA was initialized, does not.
 The sender's ordering event is recorded when the message is pickled, which
 for queues and pools happens on a background thread, on that thread's
 current stream: CUDA's default stream, which waits for the work of every
@@ -111,20 +113,24 @@ def __getattr__(name: str) -> Any:
 _warned_fork = False
 
 
-def _warn_if_fork_default() -> None:
+def _warn_if_forked_after_cuda(process: Any) -> None:
+    """Warn once when ``process`` is about to be forked from this process after it initialized CUDA: the child
+    cannot use CUDA, so the arrays sent to it would raise there. A spawned child, or one forked before CUDA,
+    is fine, whatever the default start method."""
     global _warned_fork
-    if _warned_fork:
+    default = _mp.get_start_method(allow_none=True) or _mp.get_all_start_methods()[0]
+    method = getattr(process, "_start_method", None) or default  # (None: the default context's Process)
+    if method != "fork" or not _fork.cuda_initialized():
         return
     _warned_fork = True
-    method = _mp.get_start_method(allow_none=True) or _mp.get_all_start_methods()[0]
-    if method == "fork":
-        text = ("the default multiprocessing start method is 'fork', and a child forked after CUDA was "
-                "initialized cannot use the GPU arrays sent to it; use get_context('spawn') or "
-                "get_context('forkserver'), or call set_start_method('spawn') once at start-up")
-        try:
-            warnings.warn(text, RuntimeWarning, stacklevel=4)  # (the caller of the pickler)
-        except Exception:  # noqa: BLE001 - a filter that makes it an error: raised here, it would lose the message
-            print(f"RuntimeWarning: {text}", file=sys.stderr)
+    text = (f"{process.name} is started with 'fork'{' (the default start method)' if default == 'fork' else ''} "
+            "after this process initialized CUDA: a forked child cannot use CUDA, and the GPU arrays sent to it "
+            "raise IpcError there; use get_context('spawn') or get_context('forkserver'), or call "
+            "set_start_method('spawn') once at start-up")
+    try:
+        warnings.warn(text, RuntimeWarning, stacklevel=3)  # (the caller of Process.start)
+    except Exception:  # noqa: BLE001 - a filter that makes it an error: raised here, it would fail a pool's thread
+        print(f"RuntimeWarning: {text}", file=sys.stderr)
 
 
 # --- errors while pickling ---------------------------------------------------------
@@ -286,6 +292,8 @@ _plain_start: Any = globals().get("_plain_start", _process.BaseProcess.start)
 
 
 def _start(process: Any) -> None:
+    if not _warned_fork:
+        _warn_if_forked_after_cuda(process)
     outer = _in_message.exports
     _in_message.exports = exports = []  # the arguments are one message, whatever dumps pickle them
     try:
@@ -337,8 +345,6 @@ def set_message_lease(seconds: float | None) -> float | None:
 
 @_errors_reach_the_receiver
 def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
-    if not _warned_fork:
-        _warn_if_fork_default()
     h = get_ipc_handle(array, lease=_message_lease)
     exports = _in_message.exports
     if exports is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import pickle
+import subprocess
+import sys
 import time
 import warnings
 from collections import Counter
@@ -243,6 +245,32 @@ def test_relayed_array_stays_alive_after_sender_and_relay_drop_it(ctx):
     out_values = out.get(timeout=60)
     assert (out_values == 3).all()
     to_b.put(None)
+
+
+def test_only_a_process_forked_after_cuda_was_initialized_warns():
+    # A fresh interpreter, where CUDA starts uninitialized and nothing has warned yet.
+    code = """
+import multiprocessing, time, warnings
+import cupy
+import cupy_ipc.multiprocessing as mp
+
+def start(method):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        p = mp.get_context(method).Process(target=time.sleep, args=(0,))
+        p.start()
+    p.join(60)
+    print(method, p.exitcode, sum("'fork'" in str(w.message) for w in seen))
+
+start("fork")  # before CUDA: the child could use CUDA
+cupy.zeros(1).sum()
+start("spawn")
+start("fork")
+start("fork")  # once
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.split("\n")[:4] == ["fork 0 0", "spawn 0 0", "fork 0 1", "fork 0 0"], done.stderr[-2000:]
 
 
 def test_fork_after_cuda_raises_ipc_error_in_the_child():

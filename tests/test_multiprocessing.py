@@ -11,6 +11,8 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
+import warnings
 
 import pytest
 
@@ -73,16 +75,52 @@ def test_the_module_executed_again_still_pickles_through_the_standard_methods():
     assert done.stdout.splitlines() == ["[1, 2]", "released 1"], done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("method,warns", [("fork", True), ("spawn", False), ("forkserver", False)])
-def test_warns_once_when_the_default_start_method_is_fork(monkeypatch, recwarn, method, warns):
+def _started(process) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python's warning about forking with threads
+        process.start()
+    process.join(60)
+    assert process.exitcode == 0
+
+
+def _fork_warnings(recwarn) -> list[str]:
+    return [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning) and "'fork'" in str(w.message)]
+
+
+@pytest.mark.parametrize("default,chosen,cuda,warns", [
+    ("fork", None, True, "default"),  # the default context's Process, the default being fork
+    ("spawn", "fork", True, "chosen"),
+    ("fork", "fork", False, None),  # forked before CUDA: the child can use CUDA
+    ("fork", "spawn", True, None),  # a spawn context, whatever the default
+    ("fork", "forkserver", True, None),
+])
+def test_warns_once_when_a_process_is_forked_after_cuda(monkeypatch, recwarn, default, chosen, cuda, warns):
     monkeypatch.setattr(mp, "_warned_fork", False)
-    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: method)
-    mp._warn_if_fork_default()
-    mp._warn_if_fork_default()
-    messages = [str(w.message) for w in recwarn if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == (1 if warns else 0)
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: default)
+    # (This machine may have no GPU: the warning's test of CUDA's state answers as a process with CUDA would.)
+    monkeypatch.setattr(cupy_ipc._fork, "cuda_initialized", lambda: cuda)
+    make = multiprocessing.Process if chosen is None else multiprocessing.get_context(chosen).Process
+    for _ in range(2):
+        _started(make(target=time.sleep, args=(0,)))
+    messages = _fork_warnings(recwarn)
+    assert len(messages) == (1 if warns else 0), messages
     if warns:
         assert "'spawn'" in messages[0] and "'forkserver'" in messages[0]
+        assert ("(the default start method)" in messages[0]) == (warns == "default")
+
+
+def test_the_fork_warning_made_an_error_still_starts_the_process(monkeypatch, capfd):
+    # Raised in Process.start, the warning would fail a pool's thread that starts its workers.
+    monkeypatch.setattr(mp, "_warned_fork", False)
+    monkeypatch.setattr(cupy_ipc._fork, "cuda_initialized", lambda: True)
+    p = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        p.start()  # printed instead of raised
+    p.join(60)
+    assert p.exitcode == 0
+    assert "started with 'fork'" in capfd.readouterr().err
 
 
 def test_fork_check_passes_in_a_child_of_a_process_without_cuda():
@@ -182,18 +220,6 @@ def test_any_error_on_a_queues_feeder_thread_reaches_the_receiver_with_its_type(
     finally:
         q.close()
         q.join_thread()
-
-
-def test_the_fork_warning_made_an_error_does_not_lose_the_message(monkeypatch, capfd):
-    # With warnings as errors, the warning raised on the feeder thread dropped the message it was pickling.
-    monkeypatch.setattr(mp, "_warned_fork", False)
-    monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "fork")
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        mp._warn_if_fork_default()  # printed instead of raised
-    assert "start method is 'fork'" in capfd.readouterr().err
 
 
 def test_the_submodules_of_the_standard_module_are_reached_through_the_drop_in():
