@@ -72,8 +72,7 @@ def _handle_at(ptr: int) -> tuple[str | None, int | None]:
     except IpcError as e:
         return e.cuda_error, None
     finally:  # also one an interrupt was raised after: the allocation would never be freed
-        if handle.value:
-            _driver().cuMemRelease(handle.value)
+        _release([handle])
     return None, handle.value
 
 
@@ -106,8 +105,7 @@ def export(base: int, buffer_id: int) -> tuple[int, int]:
                 raise IpcError(NOT_SHAREABLE)
             _cuda.export_allocation(handle.value, fd)
         finally:
-            if handle.value:
-                driver.cuMemRelease(handle.value)
+            _release([handle])
         not_inherited(fd.value)
         with _lock:
             hit = _by_mapping.get(key)
@@ -305,7 +303,7 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
         _close(fds + given_fds)
         raise
     finally:  # the mapping holds the memory now, if made
-        _release([handle.value for handle, _ in handles if handle.value])
+        _release([handle for handle, _ in handles])
     with _lock:
         at = ptr
         for fd, (_, size) in zip(fds, pieces):
@@ -346,9 +344,11 @@ def _map(handles: list[tuple[Any, int]], device: int) -> int:
     return ptr.value
 
 
-def _release(handles: list[Any]) -> None:
-    for handle in handles:
-        _driver().cuMemRelease(handle)
+def _release(places: list[ctypes.c_uint64]) -> None:
+    """Release the allocation handles the driver wrote into ``places`` (an empty place: it wrote none)."""
+    for place in places:
+        if place.value:
+            _driver().cuMemRelease(place.value)
 
 
 def _unmap(ptr: int, sizes: list[int], total: int) -> list[Any]:
@@ -463,7 +463,7 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
             _cuda.create_allocation(size, prop, device, handles[-1])
         ptr = _map([(handle.value, size) for handle in handles], device)
     finally:  # the mapping holds the memory now, if made
-        _release([handle.value for handle in handles if handle.value])
+        _release(handles)
     sizes = [size] * pieces
     mem = cupy.cuda.UnownedMemory(ptr, size * pieces, _Owner(ptr, sizes, device), device)
     return cupy.cuda.MemoryPointer(mem, 0)
