@@ -273,7 +273,7 @@ start("fork")  # once
     assert done.stdout.split("\n")[:4] == ["fork 0 0", "spawn 0 0", "fork 0 1", "fork 0 0"], done.stderr[-2000:]
 
 
-def test_fork_after_cuda_raises_ipc_error_in_the_child():
+def test_fork_after_cuda_raises_ipc_error_in_the_child(monkeypatch):
     import cupy
 
     import cupy_ipc
@@ -283,7 +283,8 @@ def test_fork_after_cuda_raises_ipc_error_in_the_child():
     before = {p.export_id for p in cupy_ipc.pinned()}
     context = mp.get_context("fork")
     here, there = context.Pipe()
-    with warnings.catch_warnings():
+    monkeypatch.setattr(mp, "_warned_fork", False)
+    with warnings.catch_warnings(), pytest.warns(RuntimeWarning, match="started with 'fork'"):
         warnings.simplefilter("ignore", DeprecationWarning)  # Python's warning about forking with threads
         p = context.Process(target=mp_workers.receive_error, args=(there,), daemon=True)
         p.start()
