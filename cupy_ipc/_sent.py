@@ -1,8 +1,7 @@
 """Arrays sent in messages, which a process started by :mod:`multiprocessing` awaits at its exit.
 
 CUDA frees a process's memory when it exits. An array it sent that its receiver opens after that raises
-:class:`ProducerExitedError` there, and in a ``Pool``'s result handler, the thread that reads results, that
-error ends the thread: the pool then waits for ever. A worker that returns its result and ends (one of a
+:class:`ProducerExitedError` there (in a ``Pool``, it fails the task whose result it is). A worker that returns its result and ends (one of a
 ``Pool`` with ``maxtasksperchild``, a ``Process`` whose target puts its result on a queue) raced its
 receiver that way. An array opened before keeps its memory (the driver holds it for the mapping: measured
 on an H200 with the sender killed), so such a process, at its exit, once its queues have flushed, waits

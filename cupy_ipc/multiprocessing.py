@@ -41,6 +41,12 @@ never received stays pinned in the sender, unless
 multiprocessing waits at its exit until the arrays it sent have been
 opened, for at most :func:`set_exit_wait` seconds (see ``cupy_ipc._sent``).
 
+An array or event that cannot be opened where it is received (its lease
+ran out, say) raises there, in ``get()`` or ``recv()``; in a ``Pool``,
+whose worker and result handler would not survive that, it fails its task
+instead (see :func:`_loads`), and a pool's workers import this module as
+they start.
+
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
 Starting such a child (with ``fork``, whether chosen or the default) warns
@@ -198,6 +204,7 @@ class _MessageState(threading.local):
     exports: "list[Any] | None" = None  # the exports of the message being pickled
     dumped: "list[Any] | None" = None  # those of the last whole message pickled
     pickled: "tuple[Any, list[Any]] | None" = None  # (its buffer, its exports), until a sender writes it
+    unopened: "list[Exception] | None" = None  # the errors of a Pool's message being unpickled (see _loads)
 
 
 _in_message = _MessageState()
@@ -291,9 +298,21 @@ def _send_bytes(conn: Any, buf: Any) -> None:
 _plain_start: Any = globals().get("_plain_start", _process.BaseProcess.start)
 
 
+class _Reductions:
+    """Unpickled in a spawned (or forkserver) process: this module, imported there, so that its reducers and
+    :func:`_loads` are in place before the process reads its first message (see :func:`_start`)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return importlib.import_module, (__name__,)
+
+
 def _start(process: Any) -> None:
     if not _warned_fork:
         _warn_if_forked_after_cuda(process)
+    if getattr(process, "_target", None) is _pool.worker:
+        # A Pool's worker would import this module only while it unpickles its first task that holds an array:
+        # too late for that task (see _loads). It comes with the process instead.
+        process._cupy_ipc_reductions = _Reductions()
     outer = _in_message.exports
     _in_message.exports = exports = []  # the arguments are one message, whatever dumps pickle them
     try:
@@ -307,10 +326,61 @@ def _start(process: Any) -> None:
 
 def _forget_after_fork() -> None:
     # A child forked by start() runs its target inside _start, and exits there: no message is its own yet.
-    _in_message.exports = _in_message.dumped = _in_message.pickled = None
+    _in_message.exports = _in_message.dumped = _in_message.pickled = _in_message.unopened = None
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+# --- what cannot be opened where a Pool unpickles it ------------------------------------
+# The standard Pool does not survive an error raised while a message is unpickled: in a worker reading its task
+# the worker dies and the task is lost, in the result handler the thread ends; either way the pool waits for
+# ever. Where one of them unpickles (found by the caller of the call that unpickles, as _dumps finds senders),
+# an array or event that cannot be opened (a lease run out, a GPU hidden there) fails its task instead: the
+# caller's get() raises the error, and the pool goes on.
+def _failed_task(task: Any, error: Exception) -> Any:
+    job, i = task[:2]
+    return job, i, _raise, (error,), {}  # run by the worker: its error is the task's result
+
+
+def _failed_result(result: Any, error: Exception) -> Any:
+    job, i = result[:2]
+    return job, i, (False, error)
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+_pool = importlib.import_module("multiprocessing.pool")
+_POOL_READERS = {_pool.worker.__code__: _failed_task, _pool.Pool._handle_results.__code__: _failed_result}
+_plain_loads: Any = globals().get("_plain_loads", ForkingPickler.loads)
+
+
+def _loads(data: Any, /, *args: Any, **kwargs: Any) -> Any:
+    # ForkingPickler.loads: what queues, pipes and pools unpickle each message with.
+    receiver = sys._getframe().f_back  # a queue's or connection's method, whose caller may be a Pool's reader
+    caller = receiver.f_back if receiver is not None else None
+    failed = _POOL_READERS.get(caller.f_code) if caller is not None else None
+    if failed is None:
+        return _plain_loads(data, *args, **kwargs)
+    outer = _in_message.unopened
+    _in_message.unopened = errors = []
+    try:
+        message = _plain_loads(data, *args, **kwargs)
+    finally:
+        _in_message.unopened = outer
+    return failed(message, errors[0]) if errors else message
+
+
+def _fails_the_task(error: Exception) -> bool:
+    """Whether ``error``, raised opening part of a message, is kept to fail the message's Pool task (see
+    :func:`_loads`); if not, the caller raises it."""
+    errors = _in_message.unopened
+    if errors is None:
+        return False
+    errors.append(error)
+    return True
 
 
 # --- cupy.ndarray ----------------------------------------------------------------
@@ -364,10 +434,15 @@ def _exported(fds: list[int], resource: int) -> bool:
 
 
 def _rebuild_ndarray(data: bytes, server: bytes | None = None) -> Any:
-    h = IpcArrayHandle.from_bytes(data)
-    if server is not None:
-        h._ask_producer(server)
-    return h._open(last_try=True)  # the message is consumed: a failed open is not retried
+    try:
+        h = IpcArrayHandle.from_bytes(data)
+        if server is not None:
+            h._ask_producer(server)
+        return h._open(last_try=True)  # the message is consumed: a failed open is not retried
+    except Exception as e:
+        if not _fails_the_task(e):
+            raise
+        return None
 
 
 # --- events ----------------------------------------------------------------------
@@ -376,8 +451,13 @@ def _reduce_ipc_event(event: IpcEvent) -> tuple[Any, tuple[bytes]]:
     return _rebuild_ipc_event, (event.get_ipc_handle().to_bytes(),)
 
 
-def _rebuild_ipc_event(data: bytes) -> IpcEvent:
-    return IpcEventHandle.from_bytes(data).open()
+def _rebuild_ipc_event(data: bytes) -> IpcEvent | None:
+    try:
+        return IpcEventHandle.from_bytes(data).open()
+    except Exception as e:
+        if not _fails_the_task(e):
+            raise
+        return None
 
 
 # cupy.cuda.Event objects this process sent, by raw CUDA handle, so that one
@@ -410,6 +490,15 @@ def _reduce_cupy_event(event: Any) -> tuple[Any, tuple[bytes]]:
 
 
 def _rebuild_cupy_event(data: bytes) -> Any:
+    try:
+        return _opened_cupy_event(data)
+    except Exception as e:
+        if not _fails_the_task(e):
+            raise
+        return None
+
+
+def _opened_cupy_event(data: bytes) -> Any:
     import cupy
 
     handle = IpcEventHandle.from_bytes(data)
@@ -459,6 +548,7 @@ def init_reductions() -> None:
     ForkingPickler.dumps = classmethod(_dumps)  # type: ignore[assignment,method-assign]
     _connection.Connection._send_bytes = _send_bytes  # type: ignore[method-assign]  # every message's write
     _process.BaseProcess.start = _start  # type: ignore[method-assign]  # every process's, whatever its context
+    ForkingPickler.loads = staticmethod(_loads)  # type: ignore[assignment]  # every message received
     _registered = True
 
 

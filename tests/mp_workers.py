@@ -264,3 +264,20 @@ def filled(value: float) -> Any:
     import cupy
 
     return cupy.full(1 << 18, value, dtype=cupy.float32)
+
+
+class Unopenable:
+    """Pickled by multiprocessing as an array of another host, which no process here can open (the open fails
+    before any CUDA call, so no GPU is needed)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        from cupy_ipc import IpcArrayHandle
+
+        h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=8, shape=(2,), strides=(4,),
+                           dtype="float32", device=(0, bytes(16)), producer=(1, bytes(16), bytes(16), "elsewhere"))
+        return cupy_ipc.multiprocessing._rebuild_ndarray, (h.to_bytes(),)
+
+
+def unopenable() -> Unopenable:
+    """A result that the pool's result handler cannot open."""
+    return Unopenable()

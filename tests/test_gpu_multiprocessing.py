@@ -589,6 +589,27 @@ def test_a_message_lease_ends_the_pin_of_an_array_nobody_received_in_time(ctx):
     assert mp.set_message_lease(None) is None
 
 
+def test_a_pool_task_whose_array_is_received_after_its_lease_fails_and_the_pool_goes_on():
+    # The worker raised unpickling the task and died, the task lost: the pool's caller waited for ever.
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.full(N, 2, dtype=cupy.float32)
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply_async(mp_workers.double_sum, (a,)).get(timeout=120) == 4 * N  # the worker is up
+        old = mp.set_message_lease(1.0)  # (the pool pickles its tasks on a thread of its own: kept until done)
+        try:
+            busy = pool.apply_async(time.sleep, (3,))
+            late = pool.apply_async(mp_workers.double_sum, (a,))  # read by the worker after its lease
+            with pytest.raises(cupy_ipc.IpcError, match="no longer shares this memory"):
+                late.get(timeout=120)
+            busy.get(timeout=60)
+            assert pool.apply_async(mp_workers.double_sum, (a,)).get(timeout=120) == 4 * N  # in time
+        finally:
+            mp.set_message_lease(old)
+
+
 @pytest.mark.parametrize("busy", [0.0, 2.0], ids=["sender-idle", "sender-gpu-busy"])
 def test_an_array_from_a_process_that_ends_at_once_arrives_whole(ctx, busy):
     # A worker that puts its result and returns ends, and CUDA frees its memory: received after that, the array

@@ -19,6 +19,8 @@ import pytest
 import cupy_ipc
 import cupy_ipc.multiprocessing as mp
 
+import mp_workers
+
 
 def test_every_name_of_the_standard_module_is_there():
     for name in multiprocessing.__all__:
@@ -40,6 +42,8 @@ def test_registration_is_idempotent_and_only_for_multiprocessing():
     assert reducers[cupy_ipc.IpcEvent] is mp._reduce_ipc_event
     assert multiprocessing.reduction.ForkingPickler.dump is mp._dump
     assert multiprocessing.connection.Connection._send_bytes is mp._send_bytes
+    assert multiprocessing.reduction.ForkingPickler.loads is mp._loads
+    assert pickle.loads is not mp._loads
     assert multiprocessing.process.BaseProcess.start is mp._start
     assert cupy.ndarray not in copyreg.dispatch_table  # what pickle.dumps consults
 
@@ -220,6 +224,39 @@ def test_any_error_on_a_queues_feeder_thread_reaches_the_receiver_with_its_type(
     finally:
         q.close()
         q.join_thread()
+
+
+@pytest.fixture
+def spawn_pool():
+    with mp.get_context("spawn").Pool(1) as pool:
+        yield pool
+
+
+def test_a_task_whose_array_cannot_be_opened_in_the_worker_fails_and_the_pool_goes_on(spawn_pool):
+    # The worker read its task, raised unpickling it and died: the task was lost, and the pool waited for ever.
+    unopenable = mp_workers.Unopenable()
+    with pytest.raises(cupy_ipc.HandleError, match="comes from host 'elsewhere'"):
+        spawn_pool.apply_async(len, ((unopenable, 1),)).get(timeout=120)
+    with pytest.raises(cupy_ipc.HandleError):
+        spawn_pool.map_async(len, [[1], (unopenable,), [1, 2]], chunksize=1).get(timeout=120)
+    assert spawn_pool.map_async(len, [[1], [1, 2]]).get(timeout=120) == [1, 2]
+
+
+def test_a_result_that_cannot_be_opened_fails_its_task_and_the_pool_goes_on(spawn_pool):
+    # The result handler raised unpickling the result, and its thread ended: every later result was lost too.
+    with pytest.raises(cupy_ipc.HandleError, match="comes from host 'elsewhere'"):
+        spawn_pool.apply_async(mp_workers.unopenable).get(timeout=120)
+    assert spawn_pool.apply_async(len, ([1, 2],)).get(timeout=120) == 2
+
+
+def test_outside_a_pool_an_array_that_cannot_be_opened_raises_where_it_is_received():
+    here, there = multiprocessing.Pipe()
+    with here, there:
+        here.send((mp_workers.Unopenable(), 1))
+        with pytest.raises(cupy_ipc.HandleError, match="comes from host 'elsewhere'"):
+            there.recv()
+        here.send("next")
+        assert there.recv() == "next"
 
 
 def test_the_submodules_of_the_standard_module_are_reached_through_the_drop_in():
