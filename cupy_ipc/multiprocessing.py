@@ -42,10 +42,10 @@ multiprocessing waits at its exit until the arrays it sent have been
 opened, for at most :func:`set_exit_wait` seconds (see ``cupy_ipc._sent``).
 
 An array or event that cannot be opened where it is received (its lease
-ran out, say) raises there, in ``get()`` or ``recv()``; in a ``Pool``,
-whose worker and result handler would not survive that, it fails its task
-instead (see :func:`_loads`), and a pool's workers import this module as
-they start.
+ran out, say) raises there, in ``get()`` or ``recv()``; in a ``Pool`` or
+``ProcessPoolExecutor``, whose workers and result readers would not survive
+that, it fails its task instead (see :func:`_loads`), and their workers
+import this module as they start.
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
 was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
@@ -204,7 +204,7 @@ class _MessageState(threading.local):
     exports: "list[Any] | None" = None  # the exports of the message being pickled
     dumped: "list[Any] | None" = None  # those of the last whole message pickled
     pickled: "tuple[Any, list[Any]] | None" = None  # (its buffer, its exports), until a sender writes it
-    unopened: "list[Exception] | None" = None  # the errors of a Pool's message being unpickled (see _loads)
+    unopened: "list[Exception] | None" = None  # the errors of a pool's message being unpickled (see _loads)
 
 
 _in_message = _MessageState()
@@ -309,8 +309,9 @@ class _Reductions:
 def _start(process: Any) -> None:
     if not _warned_fork:
         _warn_if_forked_after_cuda(process)
-    if getattr(process, "_target", None) is _pool.worker:
-        # A Pool's worker would import this module only while it unpickles its first task that holds an array:
+    target = getattr(process, "_target", None)
+    if target is _pool.worker or target is _executor._process_worker:
+        # A pool's worker would import this module only while it unpickles its first task that holds an array:
         # too late for that task (see _loads). It comes with the process instead.
         process._cupy_ipc_reductions = _Reductions()
     outer = _in_message.exports
@@ -332,12 +333,13 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-# --- what cannot be opened where a Pool unpickles it ------------------------------------
+# --- what cannot be opened where a pool unpickles it ------------------------------------
 # The standard Pool does not survive an error raised while a message is unpickled: in a worker reading its task
 # the worker dies and the task is lost, in the result handler the thread ends; either way the pool waits for
-# ever. Where one of them unpickles (found by the caller of the call that unpickles, as _dumps finds senders),
-# an array or event that cannot be opened (a lease run out, a GPU hidden there) fails its task instead: the
-# caller's get() raises the error, and the pool goes on.
+# ever. ProcessPoolExecutor's end the same way, and it breaks (BrokenProcessPool for every pending task). Where
+# one of them unpickles (found by the caller of the call that unpickles, as _dumps finds senders), an array or
+# event that cannot be opened (a lease run out, a GPU hidden there) fails its task instead: the caller's get()
+# or result() raises the error, and the pool goes on.
 def _failed_task(task: Any, error: Exception) -> Any:
     job, i = task[:2]
     return job, i, _raise, (error,), {}  # run by the worker: its error is the task's result
@@ -348,18 +350,31 @@ def _failed_result(result: Any, error: Exception) -> Any:
     return job, i, (False, error)
 
 
+def _failed_call(item: Any, error: Exception) -> Any:
+    item.fn, item.args, item.kwargs = _raise, (error,), {}  # a _CallItem, run by the worker
+    return item
+
+
+def _failed_call_result(item: Any, error: Exception) -> Any:
+    item.exception, item.result = error, None  # a _ResultItem: the future's exception
+    return item
+
+
 def _raise(error: Exception) -> None:
     raise error
 
 
 _pool = importlib.import_module("multiprocessing.pool")
-_POOL_READERS = {_pool.worker.__code__: _failed_task, _pool.Pool._handle_results.__code__: _failed_result}
+_executor = importlib.import_module("concurrent.futures.process")
+_POOL_READERS = {_pool.worker.__code__: _failed_task, _pool.Pool._handle_results.__code__: _failed_result,
+                 _executor._process_worker.__code__: _failed_call,
+                 _executor._ExecutorManagerThread.wait_result_broken_or_wakeup.__code__: _failed_call_result}
 _plain_loads: Any = globals().get("_plain_loads", ForkingPickler.loads)
 
 
 def _loads(data: Any, /, *args: Any, **kwargs: Any) -> Any:
     # ForkingPickler.loads: what queues, pipes and pools unpickle each message with.
-    receiver = sys._getframe().f_back  # a queue's or connection's method, whose caller may be a Pool's reader
+    receiver = sys._getframe().f_back  # a queue's or connection's method, whose caller may be a pool's reader
     caller = receiver.f_back if receiver is not None else None
     failed = _POOL_READERS.get(caller.f_code) if caller is not None else None
     if failed is None:
@@ -374,7 +389,7 @@ def _loads(data: Any, /, *args: Any, **kwargs: Any) -> Any:
 
 
 def _fails_the_task(error: Exception) -> bool:
-    """Whether ``error``, raised opening part of a message, is kept to fail the message's Pool task (see
+    """Whether ``error``, raised opening part of a message, is kept to fail the message's pool task (see
     :func:`_loads`); if not, the caller raises it."""
     errors = _in_message.unopened
     if errors is None:

@@ -249,6 +249,21 @@ def test_a_result_that_cannot_be_opened_fails_its_task_and_the_pool_goes_on(spaw
     assert spawn_pool.apply_async(len, ([1, 2],)).get(timeout=120) == 2
 
 
+def test_an_executor_task_whose_array_or_result_cannot_be_opened_fails_alone():
+    # The worker died unpickling the task, or the executor's manager thread raised unpickling the result:
+    # either broke the executor (BrokenProcessPool for every task, pending or later).
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        pending = ex.submit(time.sleep, 0.5)
+        argument = ex.submit(len, (mp_workers.Unopenable(), 1))
+        result = ex.submit(mp_workers.unopenable)
+        with pytest.raises(cupy_ipc.HandleError, match="comes from host 'elsewhere'"):
+            argument.result(120)
+        with pytest.raises(cupy_ipc.HandleError, match="comes from host 'elsewhere'"):
+            result.result(120)
+        assert pending.result(120) is None
+        assert ex.submit(len, [1, 2, 3]).result(120) == 3
+
+
 def test_outside_a_pool_an_array_that_cannot_be_opened_raises_where_it_is_received():
     here, there = multiprocessing.Pipe()
     with here, there:
