@@ -610,6 +610,27 @@ def test_a_pool_task_whose_array_is_received_after_its_lease_fails_and_the_pool_
             mp.set_message_lease(old)
 
 
+def test_an_executor_task_whose_array_is_received_after_its_lease_fails_alone():
+    # The worker died unpickling the task: the executor broke, every pending task with it.
+    import cupy
+
+    import cupy_ipc
+
+    a = cupy.full(N, 2, dtype=cupy.float32)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        assert ex.submit(mp_workers.double_sum, a).result(120) == 4 * N  # the worker is up
+        old = mp.set_message_lease(1.0)  # (the executor pickles its tasks on a thread of its own)
+        try:
+            busy = ex.submit(time.sleep, 3)
+            late = ex.submit(mp_workers.double_sum, a)  # read by the worker after its lease
+            after = ex.submit(len, [1, 2])
+            with pytest.raises(cupy_ipc.IpcError, match="no longer shares this memory"):
+                late.result(120)
+            assert busy.result(60) is None and after.result(60) == 2
+        finally:
+            mp.set_message_lease(old)
+
+
 @pytest.mark.parametrize("busy", [0.0, 2.0], ids=["sender-idle", "sender-gpu-busy"])
 def test_an_array_from_a_process_that_ends_at_once_arrives_whole(ctx, busy):
     # A worker that puts its result and returns ends, and CUDA frees its memory: received after that, the array
