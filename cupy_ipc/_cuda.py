@@ -476,7 +476,21 @@ def _checked(what: str, device: int | None, fn: Callable[..., int], *args: Any) 
     """:func:`_in_context`, raising :class:`IpcError` with the driver's name of an error."""
     err = _in_context(device, fn, *args)
     if err:
-        check(what, _driver().CUresult(err))
+        name = _error_name(err)
+        raise IpcError(f"{what} failed: {name}", cuda_error=name)
+
+
+def _error_name(err: int) -> str:
+    """The driver's name of its error code ``err`` (``CUDA_ERROR_INVALID_VALUE``): libcuda's, else
+    cuda-bindings' (whose enums of 13.x are not made from a number), else the number."""
+    name_of = _libcuda_fn("cuGetErrorName", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+    text = ctypes.c_char_p()
+    if name_of is not None and name_of(err, ctypes.byref(text)) == 0 and text.value:
+        return text.value.decode()
+    try:
+        return str(_driver().CUresult(err).name)
+    except Exception:  # noqa: BLE001 - no driver, or an enum that cannot be made from a number
+        return f"CUresult {err}"
 
 
 def close_ipc_mapping(ptr: int, device: int) -> None:

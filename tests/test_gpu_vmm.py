@@ -470,3 +470,23 @@ def test_virtual_memory_that_cannot_be_freed_warns_instead_of_raising():
     with pytest.warns(RuntimeWarning, match="could not free the virtual memory at 0x.*CUDA_ERROR_INVALID_VALUE"):
         del again
     assert float(cupy.arange(3).sum()) == 3.0  # the GPU still works
+
+
+def test_a_driver_error_of_a_call_that_writes_its_result_is_an_ipc_error_named_by_the_driver():
+    # cuda-bindings 13 makes no CUresult of a number: such an error raised TypeError instead of IpcError.
+    import ctypes
+
+    import cupy
+
+    from cupy_ipc import IpcError, _cuda
+
+    cupy.zeros(1).sum()  # GPU 0's context made
+    r, w = os.pipe()  # a descriptor that stands for no allocation
+    try:
+        out = ctypes.c_uint64()
+        with pytest.raises(IpcError, match="importing the producer's allocation failed: CUDA_ERROR_") as info:
+            _cuda.import_allocation(r, 0, out)
+        assert info.value.cuda_error.startswith("CUDA_ERROR_") and out.value == 0
+    finally:
+        os.close(r)
+        os.close(w)
