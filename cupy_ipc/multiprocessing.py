@@ -204,7 +204,7 @@ class _MessageState(threading.local):
     exports: "list[Any] | None" = None  # the exports of the message being pickled
     dumped: "list[Any] | None" = None  # those of the last whole message pickled
     pickled: "tuple[Any, list[Any]] | None" = None  # (its buffer, its exports), until a sender writes it
-    unopened: "list[Exception] | None" = None  # the errors of a pool's message being unpickled (see _loads)
+    unopened: "tuple[Any, Any, Exception] | None" = None  # a pool's task that fails (see _fails_the_task)
 
 
 _in_message = _MessageState()
@@ -373,29 +373,39 @@ _plain_loads: Any = globals().get("_plain_loads", ForkingPickler.loads)
 
 
 def _loads(data: Any, /, *args: Any, **kwargs: Any) -> Any:
-    # ForkingPickler.loads: what queues, pipes and pools unpickle each message with.
-    receiver = sys._getframe().f_back  # a queue's or connection's method, whose caller may be a pool's reader
-    caller = receiver.f_back if receiver is not None else None
-    failed = _POOL_READERS.get(caller.f_code) if caller is not None else None
-    if failed is None:
-        return _plain_loads(data, *args, **kwargs)
-    outer = _in_message.unopened
-    _in_message.unopened = errors = []
+    # ForkingPickler.loads: what queues, pipes and pools unpickle each message with. Nothing more per message
+    # than a look at _in_message: the open that fails looks for the pool (see _fails_the_task).
     try:
         message = _plain_loads(data, *args, **kwargs)
-    finally:
-        _in_message.unopened = outer
-    return failed(message, errors[0]) if errors else message
+    except BaseException:
+        kept = _in_message.unopened
+        if kept is not None and kept[0] is sys._getframe():
+            _in_message.unopened = None
+        raise
+    kept = _in_message.unopened
+    if kept is None or kept[0] is not sys._getframe():  # (one of an outer message, unpickled by a reducer)
+        return message
+    _in_message.unopened = None
+    return kept[1](message, kept[2])
 
 
 def _fails_the_task(error: Exception) -> bool:
-    """Whether ``error``, raised opening part of a message, is kept to fail the message's pool task (see
-    :func:`_loads`); if not, the caller raises it."""
-    errors = _in_message.unopened
-    if errors is None:
+    """Whether ``error``, raised opening part of a message, is kept to fail the message's task: where a pool's
+    reader unpickles it (through :func:`_loads`, a queue's or connection's method, then the reader); if not,
+    the caller raises it. The first error of a message is its task's."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _loads.__code__:
+        frame = frame.f_back
+    receiver = frame.f_back if frame is not None else None
+    reader = receiver.f_back if receiver is not None else None
+    failed = _POOL_READERS.get(reader.f_code) if reader is not None else None
+    if failed is None:
         return False
-    errors.append(error)
-    return True
+    kept = _in_message.unopened
+    if kept is None:
+        _in_message.unopened = (frame, failed, error)
+        return True
+    return kept[0] is frame
 
 
 # --- cupy.ndarray ----------------------------------------------------------------
