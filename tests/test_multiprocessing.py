@@ -237,6 +237,8 @@ def test_a_task_whose_array_cannot_be_opened_in_the_worker_fails_and_the_pool_go
     unopenable = mp_workers.Unopenable()
     with pytest.raises(cupy_ipc.HandleError, match="comes from host 'elsewhere'"):
         spawn_pool.apply_async(len, ((unopenable, 1),)).get(timeout=120)
+    with pytest.raises(cupy_ipc.HandleError, match="comes from host 'elsewhere'"):  # two in one message
+        spawn_pool.apply_async(len, ((unopenable, mp_workers.Unopenable()),)).get(timeout=120)
     with pytest.raises(cupy_ipc.HandleError):
         spawn_pool.map_async(len, [[1], (unopenable,), [1, 2]], chunksize=1).get(timeout=120)
     assert spawn_pool.map_async(len, [[1], [1, 2]]).get(timeout=120) == [1, 2]
