@@ -1,9 +1,9 @@
 """Arrays sent in messages, which a process started by :mod:`multiprocessing` awaits at its exit.
 
 CUDA frees a process's memory when it exits. An array it sent that its receiver opens after that raises
-:class:`ProducerExitedError` there (in a ``Pool``, it fails the task whose result it is). A worker that returns its result and ends (one of a
-``Pool`` with ``maxtasksperchild``, a ``Process`` whose target puts its result on a queue) raced its
-receiver that way. An array opened before keeps its memory (the driver holds it for the mapping: measured
+:class:`ProducerExitedError` there (in a ``Pool``, it fails the task whose result it is). A worker that
+returns its result and ends (one of a ``Pool`` with ``maxtasksperchild``, a ``Process`` whose target puts its
+result on a queue) raced its receiver that way. An array opened before keeps its memory (the driver holds it for the mapping: measured
 on an H200 with the sender killed), so such a process, at its exit, once its queues have flushed, waits
 until every array it sent has been opened or refused (revoked, past its lease), its parent has ended, or
 :func:`set_exit_wait` seconds have passed; then until its GPUs have finished the work queued on memory still

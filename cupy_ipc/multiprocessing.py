@@ -337,9 +337,9 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 # The standard Pool does not survive an error raised while a message is unpickled: in a worker reading its task
 # the worker dies and the task is lost, in the result handler the thread ends; either way the pool waits for
 # ever. ProcessPoolExecutor's end the same way, and it breaks (BrokenProcessPool for every pending task). Where
-# one of them unpickles (found by the caller of the call that unpickles, as _dumps finds senders), an array or
-# event that cannot be opened (a lease run out, a GPU hidden there) fails its task instead: the caller's get()
-# or result() raises the error, and the pool goes on.
+# one of them unpickles (the open that fails finds it up its stack, as _dumps finds senders), an array or event
+# that cannot be opened (a lease run out, a GPU hidden there) fails its task instead: the caller's get() or
+# result() raises the error, and the pool goes on.
 def _failed_task(task: Any, error: Exception) -> Any:
     job, i = task[:2]
     return job, i, _raise, (error,), {}  # run by the worker: its error is the task's result
