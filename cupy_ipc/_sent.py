@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.util
+import os
 import time
 
 from . import _cuda, _fork, _keepalive
@@ -87,7 +88,27 @@ def _await_receivers() -> None:
         warn_quietly(f"could not await the receivers of the arrays this process sent: {e}")
 
 
+_finalizer: multiprocessing.util.Finalize | None = None
+
+
+def _register(_: object = None) -> None:
+    # Run after the queues' own finalizers, which flush what they hold (priority -5 joins their threads).
+    global _finalizer
+    if _finalizer is None or not _finalizer.still_active():
+        _finalizer = multiprocessing.util.Finalize(None, _await_receivers, exitpriority=-10)
+
+
+def _forget_after_fork() -> None:
+    # What the parent sent is the parent's to await, and whether it is a child of multiprocessing too.
+    global _child, _any, _prune_at
+    _child, _any, _prune_at = None, False, 1024
+    _sent.clear()
+
+
 # Registered now, not at the first array sent: a queue pickles on its own thread, which may send the first
-# array after the exit has begun running the finalizers. Run after the queues' own, which flush what they
-# hold (priority -5 joins their threads).
-multiprocessing.util.Finalize(None, _await_receivers, exitpriority=-10)
+# array after the exit has begun running the finalizers. A child started by fork or forkserver drops the
+# finalizers it inherited, or registered while its target was unpickled, before its target runs
+# (BaseProcess._after_fork), then runs the after-fork hooks: registered again there.
+_register()
+multiprocessing.util.register_after_fork(_await_receivers, _register)
+os.register_at_fork(after_in_child=_forget_after_fork)

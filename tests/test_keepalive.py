@@ -305,3 +305,38 @@ def test_a_revoke_that_fails_leaves_the_lease_keeper_serving_later_leases(monkey
     finally:
         for i in (first, export_id):
             _keepalive.release(i)
+
+
+_SENDER_THAT_ENDS = """
+import multiprocessing, sys
+from cupy_ipc import _keepalive, _sent
+
+def send_and_end():
+    _sent.set_exit_wait(0.5)
+    export_id, _, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+    _sent.note(export_id)  # as a message carrying the array does; nobody receives it
+
+if __name__ == "__main__":
+    method, main_sent = sys.argv[1], sys.argv[2] == "1"
+    if main_sent:
+        _sent.note(1)  # the main process sent an array (it does not wait, and learns so) before the child starts
+    p = multiprocessing.get_context(method).Process(target=send_and_end)
+    p.start()
+    p.join(60)
+    print(p.exitcode)
+"""
+
+
+@pytest.mark.parametrize("method, main_sent", [("spawn", False), ("fork", False), ("forkserver", False),
+                                               ("fork", True)])
+def test_a_child_of_every_start_method_awaits_the_receivers_of_what_it_sent(tmp_path, method, main_sent):
+    # A child started by fork or forkserver drops the multiprocessing finalizers it inherited (or registered
+    # while its target was unpickled) before its target runs: the exit wait, registered at import, went with
+    # them, and the child ended at once, taking the memory of the arrays it sent. A forked child also kept
+    # its parent's finding that it was no child of multiprocessing.
+    script = tmp_path / "sender.py"
+    script.write_text(_SENDER_THAT_ENDS)
+    r = subprocess.run([sys.executable, str(script), method, str(int(main_sent))], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
+    assert "exits with 1 array(s) it sent that no receiver opened within 0.5 s" in r.stderr, r.stderr
