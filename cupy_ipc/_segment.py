@@ -31,6 +31,7 @@ import fcntl
 import mmap
 import multiprocessing.util
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -104,12 +105,16 @@ def remove_stale() -> int:
             token = bytes.fromhex(name.removeprefix(_PREFIX))  # (not a segment's name: ValueError)
             if len(token) != 16 or name != _PREFIX + token.hex():  # (a token is 16 bytes: _identity)
                 continue
-            seg = Segment(os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC), token, entry.path, owner=False)
+            # Not blocking, nor following a link: a FIFO under a segment's name (anyone can make one here) would
+            # wait for a writer, and this process, its first export, for ever.
+            flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
+            seg = Segment(os.open(entry.path, flags), token, entry.path, owner=False)
         except (ValueError, OSError):  # not a segment; another user's, or gone meanwhile
             continue
         try:
-            if not seg.producer_alive() and (
-                    name == entry.name or os.fstat(seg.fd).st_mtime < now - _SETUP_ABANDONED_AFTER):
+            st = os.fstat(seg.fd)
+            if stat.S_ISREG(st.st_mode) and not seg.producer_alive() and (
+                    name == entry.name or st.st_mtime < now - _SETUP_ABANDONED_AFTER):
                 os.unlink(entry.path)
                 removed += 1
         except OSError:
@@ -229,7 +234,7 @@ class Segment:
         """
         path = segment_path(token)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)  # (a link there is anyone's: not ours)
         except FileNotFoundError:
             raise ProducerExitedError(
                 f"the producer process (pid {pid}) has exited: its segment {path} is gone (or it was made where "

@@ -261,6 +261,41 @@ def test_a_segment_being_set_up_is_never_taken_for_a_stale_one(token, monkeypatc
         seg.close(unlink=True)
 
 
+def test_a_fifo_under_a_segments_name_does_not_hang_the_look_for_stale_segments(tmp_path, monkeypatch):
+    # Any user can make a FIFO in /dev/shm: opened to be read, it blocks until someone writes to it, and
+    # every process of the host stopped at its first export (holding the lock that other threads' wait for).
+    import threading
+
+    monkeypatch.setattr(_segment, "_dir", lambda: str(tmp_path))
+    fifo = segment_path(secrets.token_bytes(16))
+    os.mkfifo(fifo)
+    dead_token = secrets.token_bytes(16)
+    Segment.create(dead_token).close()  # a stale segment beside it: still removed
+    done = []
+    t = threading.Thread(target=lambda: done.append(_segment.remove_stale()), daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():  # let the stuck open go: a writer's open ends a reader's wait
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+    assert done == [1], "the look for stale segments hung on a FIFO"
+    assert not os.path.exists(segment_path(dead_token))
+
+
+def test_a_link_under_a_segments_name_is_not_followed(token, tmp_path):
+    # Anyone may make a link in /dev/shm under the name of a producer that has exited: the consumer that opens
+    # its stale handle must not map (and count in) the file it points to.
+    victim = tmp_path / "victim"
+    victim.write_bytes(bytes(4096))
+    os.symlink(victim, segment_path(token))
+    try:
+        with pytest.raises(IpcError, match="cannot open the segment of the producer process"):
+            Segment.attach(token, pid=4321)
+    finally:
+        os.unlink(segment_path(token))
+    assert victim.read_bytes() == bytes(4096)
+
+
 def test_attach_to_missing_segment_raises_producer_exited(token):
     with pytest.raises(ProducerExitedError, match="pid 4321") as info:
         Segment.attach(token, pid=4321)
