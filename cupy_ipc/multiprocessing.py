@@ -290,6 +290,22 @@ def _send_bytes(conn: Any, buf: Any) -> None:
         raise
 
 
+_plain_checked_send: Any = globals().get("_plain_checked_send", _connection._ConnectionBase.send_bytes)
+
+
+def _checked_send(conn: Any, buf: Any, offset: int = 0, size: int | None = None) -> None:
+    # Connection.send_bytes, which SimpleQueue.put calls with the message it pickled: a connection found closed
+    # (or not writable) refuses it before any write, so _send_bytes never sees it.
+    try:
+        _plain_checked_send(conn, buf, offset, size)
+    except OSError:
+        pickled = _in_message.pickled
+        if pickled is not None and pickled[0] is getattr(buf, "obj", buf):  # (_send_bytes clears what it wrote)
+            _in_message.pickled = None
+            _release_all(pickled[1])
+        raise
+
+
 # --- processes that do not start -------------------------------------------------------
 # A spawned (or forkserver) process's arguments are pickled whole, then the process is made and they are written
 # to it. A start that fails with an OSError (os.pipe or fork refused, the executable missing, the pipe's write
@@ -572,6 +588,7 @@ def init_reductions() -> None:
     # queues (dumps) and a spawned Process's arguments (reduction.dump)
     ForkingPickler.dumps = classmethod(_dumps)  # type: ignore[assignment,method-assign]
     _connection.Connection._send_bytes = _send_bytes  # type: ignore[method-assign]  # every message's write
+    _connection._ConnectionBase.send_bytes = _checked_send  # type: ignore[method-assign]  # SimpleQueue.put's
     _process.BaseProcess.start = _start  # type: ignore[method-assign]  # every process's, whatever its context
     ForkingPickler.loads = staticmethod(_loads)  # type: ignore[assignment]  # every message received
     _registered = True

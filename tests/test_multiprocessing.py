@@ -42,6 +42,7 @@ def test_registration_is_idempotent_and_only_for_multiprocessing():
     assert reducers[cupy_ipc.IpcEvent] is mp._reduce_ipc_event
     assert multiprocessing.reduction.ForkingPickler.dump is mp._dump
     assert multiprocessing.connection.Connection._send_bytes is mp._send_bytes
+    assert multiprocessing.connection.Connection.send_bytes is mp._checked_send
     assert multiprocessing.reduction.ForkingPickler.loads is mp._loads
     assert pickle.loads is not mp._loads
     assert multiprocessing.process.BaseProcess.start is mp._start
@@ -389,6 +390,18 @@ def test_a_message_whose_send_fails_releases_its_exports(exported):
         here.send_bytes(b"other bytes")
     assert not sent.released
     del pickled
+
+
+def test_a_message_put_on_a_closed_simple_queue_releases_its_exports(exported):
+    # SimpleQueue.put pickles the message, then finds the queue closed before it writes anything: the message
+    # never left, and its arrays stayed pinned for good.
+    q = multiprocessing.get_context("spawn").SimpleQueue()
+    q.close()
+    lost = _Exported()
+    with pytest.raises(OSError, match="handle is closed"):
+        q.put([lost])
+    assert lost.released
+    assert getattr(mp._in_message, "pickled", None) is None
 
 
 def test_bytes_of_ones_own_dumps_sent_elsewhere_after_a_failed_send_keep_their_exports(exported):
