@@ -24,9 +24,10 @@ N = 1 << 18  # 1 MiB of float32
 
 
 @pytest.fixture
-def ctx():
-    """A spawn context whose processes are killed if a test leaves them running."""
-    context = mp.get_context("spawn")
+def ctx(request):
+    """A spawn context (or the start method a test is parametrized with, as ``method``) whose processes are
+    killed if a test leaves them running."""
+    context = mp.get_context(getattr(request, "param", "spawn"))
     started = []
     real = context.Process
 
@@ -631,11 +632,13 @@ def test_an_executor_task_whose_array_is_received_after_its_lease_fails_alone():
             mp.set_message_lease(old)
 
 
+@pytest.mark.parametrize("ctx", ["spawn", "forkserver"], indirect=True)
 @pytest.mark.parametrize("busy", [0.0, 2.0], ids=["sender-idle", "sender-gpu-busy"])
 def test_an_array_from_a_process_that_ends_at_once_arrives_whole(ctx, busy):
     # A worker that puts its result and returns ends, and CUDA frees its memory: received after that, the array
     # raised ProducerExitedError (the receiver raced the sender's exit). It now waits at exit until the array is
-    # opened, then until its GPU has finished the work on the memory, which its end would cut short.
+    # opened, then until its GPU has finished the work on the memory, which its end would cut short. A
+    # forkserver child dropped that wait with the finalizers it inherited, before its target ran.
     q = ctx.Queue()
     p = ctx.Process(target=mp_workers.put_filled_and_end, args=(q, N, 3.0, busy))
     p.start()
@@ -647,10 +650,11 @@ def test_an_array_from_a_process_that_ends_at_once_arrives_whole(ctx, busy):
     assert float(got.min()) == 3.0 == float(got.max())
 
 
-def test_a_pool_whose_workers_end_after_each_task_returns_every_array():
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_pool_whose_workers_end_after_each_task_returns_every_array(method):
     # A worker that ends after its task raced the pool's result handler for its result: opened after the
     # worker's exit, it raised there, which ends the handler's thread, and the pool waited for ever.
-    with mp.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:
+    with mp.get_context(method).Pool(2, maxtasksperchild=1) as pool:
         results = pool.map_async(mp_workers.filled, [float(i) for i in range(6)]).get(120)
     assert [(float(r.min()), float(r.max())) for r in results] == [(float(i), float(i)) for i in range(6)]
 
