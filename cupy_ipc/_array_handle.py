@@ -30,6 +30,7 @@ from ._wire import (
     export_parts,
     field_int,
     field_ints,
+    field_items,
     layout_of,
     pack_array,
     readable,
@@ -636,12 +637,7 @@ def _count_unclaimed(f: ArrayFields) -> None:
 
 def _parts(value: Any, what: str, form: str) -> tuple[Any, ...]:
     """``value``'s items, for a field given as a tuple of the ``form`` given, or :class:`HandleError`."""
-    if isinstance(value, (str, bytes, bytearray, memoryview)):
-        raise HandleError(f"{what} must be {form}, not {type(value).__name__}")
-    try:
-        items = tuple(value)
-    except TypeError:
-        raise HandleError(f"{what} must be {form}, not {type(value).__name__}") from None
+    items = field_items(value, what, form)
     if form.startswith("(") and len(items) != form.count(",") + 1:
         raise HandleError(f"{what} must be {form}, not {len(items)} values")
     return items

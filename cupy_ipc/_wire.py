@@ -9,6 +9,7 @@ a 2-byte format version. The README documents each field.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import re
@@ -32,6 +33,7 @@ __all__ = [
     "export_parts",
     "field_int",
     "field_ints",
+    "field_items",
     "layout_of",
     "pack_array",
     "pack_event",
@@ -347,14 +349,27 @@ def field_int(value: object, what: str) -> int:
         raise HandleError(f"{what} must be an integer, not {type(value).__name__}") from None
 
 
+# The most items a field given as a sequence holds: more's pieces (extents and strides: 64 at most). An iterable
+# is read no further, so that an endless or huge one is refused at once instead of filling memory.
+MAX_ITEMS = MAX_PIECES + 1
+
+
+def field_items(values: object, what: str, form: str) -> tuple[object, ...]:
+    """``values``' items (at most :data:`MAX_ITEMS` of them), for a field given as ``form``, or :class:`HandleError`."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)):  # iterable, but never meant as a sequence of values
+        raise HandleError(f"{what} must be {form}, not {type(values).__name__}")
+    try:
+        items = tuple(itertools.islice(values, MAX_ITEMS + 1))  # type: ignore[call-overload]
+    except TypeError:
+        raise HandleError(f"{what} must be {form}, not {type(values).__name__}") from None
+    if len(items) > MAX_ITEMS:
+        raise HandleError(f"{what} has more than {MAX_ITEMS} items: no field of a handle holds that many")
+    return items
+
+
 def field_ints(values: object, what: str, count: int | None = None) -> tuple[int, ...]:
     """``values`` as a tuple of integers (of ``count`` of them, if given), or :class:`HandleError`."""
-    if isinstance(values, (str, bytes, bytearray, memoryview)):  # iterable, but never meant as numbers
-        raise HandleError(f"{what} must be a sequence of integers, not {type(values).__name__}")
-    try:
-        items = tuple(values)  # type: ignore[arg-type]
-    except TypeError:
-        raise HandleError(f"{what} must be a sequence of integers, not {type(values).__name__}") from None
+    items = field_items(values, what, "a sequence of integers")
     if count is not None and len(items) != count:
         raise HandleError(f"{what} must have {count} items, not {len(items)}")
     return tuple(field_int(v, f"each item of {what}") for v in items)
@@ -467,6 +482,10 @@ _LAYOUTS_MAX = 1024
 # Received handles by all their bytes but the export part, which every value of passes validation: the fields
 # of one of them. A re-sent array's handles then parse in one look-up.
 _resent: dict[bytes, ArrayFields] = {}
+# Neither keeps a handle longer than this: one of virtual memory in many pieces is up to 64 KiB on the wire and
+# its fields about eight times that (1024 of them kept about 700 MB), so it is parsed whole each time. Every
+# other handle is a few hundred bytes.
+_CACHED_MAX = 1024
 
 
 _ARRAY_START = ARRAY_MAGIC + struct.pack("<H", VERSION)
@@ -483,9 +502,10 @@ def unpack_array(data: object) -> ArrayFields:
     if f is not None:
         return _tuple_new(ArrayFields, (*f[:10], *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT), *f[13:]))
     fields = _unpack_new(raw)
-    if len(_resent) >= _LAYOUTS_MAX:
-        _resent.clear()
-    _resent[exact] = fields
+    if len(exact) <= _CACHED_MAX:
+        if len(_resent) >= _LAYOUTS_MAX:
+            _resent.clear()
+        _resent[exact] = fields
     return fields
 
 
@@ -498,9 +518,10 @@ def _unpack_new(raw: bytes) -> ArrayFields:
     hit = _layouts.get(key)
     if hit is None:
         fields, reach = _parse(raw)
-        if len(_layouts) >= _LAYOUTS_MAX:
-            _layouts.clear()
-        _layouts[key] = (fields, reach)
+        if len(key) <= _CACHED_MAX:
+            if len(_layouts) >= _LAYOUTS_MAX:
+                _layouts.clear()
+            _layouts[key] = (fields, reach)
         return fields
     f, reach = hit
     mem, offset, size, base, buffer_id = _ALLOCATION.unpack_from(raw, _ALLOCATION_AT)

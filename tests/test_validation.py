@@ -1070,3 +1070,53 @@ def test_the_idle_mapping_limit_is_a_count(limit, error):
         cupy_ipc.set_idle_mapping_limit(limit)
     old = cupy_ipc.set_idle_mapping_limit(np.int64(4))  # unchanged by the refusals above
     assert cupy_ipc.set_idle_mapping_limit(old) == 4
+
+
+# --- bounded work for any input ---------------------------------------------------------------------------
+def endless(item, limit=100_000):
+    """An iterable that never ends; reading more of it than any handle field holds fails the test."""
+    for _ in range(limit):
+        yield item
+    raise AssertionError(f"read more than {limit} items of an iterable: no handle field holds that many")
+
+
+@pytest.mark.parametrize("field, values", [
+    ("shape", lambda: endless(1)),
+    ("strides", lambda: endless(4)),
+    ("more", lambda: endless((7, 8))),
+    ("device", lambda: endless(0)),
+    ("producer", lambda: endless(1)),
+])
+def test_the_constructor_reads_no_more_of_an_iterable_than_a_handle_holds(field, values):
+    # Once tuple() of the whole of it: an endless iterator hung, taking memory until MemoryError (shape=range(10**12)
+    # raised MemoryError at once; shape and strides of range(3 * 10**7) took 25 s and 2.6 GB before their refusal).
+    fields = dict(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
+                  dtype="float32", device=(0, UUID), producer=PRODUCER, kind="vmm", fd=3, resource=1)
+    rejected("more than 4097 items", IpcArrayHandle, **{**fields, field: values()})
+
+
+def test_the_parse_caches_hold_little_of_handles_with_many_pieces():
+    # Received handles are cached by their bytes, 1024 of each cache at most: once whatever their size, so that
+    # 1024 handles of virtual memory in 4096 pieces (64 KiB each on the wire) kept about 700 MB.
+    import gc
+    import tracemalloc
+
+    from cupy_ipc import _wire
+
+    h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=2**40, shape=(8,), strides=(4,),
+                       dtype="float32", device=(0, UUID), producer=PRODUCER, kind="vmm", fd=3, resource=1,
+                       more=[(1000 + i, 2**21 + i) for i in range(4096)])
+    wire = h.to_bytes()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(100):  # each a handle not seen before: its last piece's size differs
+            IpcArrayHandle.from_bytes(wire[:-8] + struct.pack("<Q", 2**30 + k))
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        _wire._resent.clear()
+        _wire._layouts.clear()
+    assert kept < 32 * 2**20, f"{kept / 2**20:.0f} MiB kept by 100 parsed handles"
