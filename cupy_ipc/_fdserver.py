@@ -8,7 +8,9 @@ pool's descriptor crosses once per consumer, and arrays that need none cost
 no more than their bytes. ``SCM_RIGHTS`` needs no ptrace permission.
 
 The socket is in the abstract namespace, named after the producer's random
-token, where any process can see its name. So it serves only processes of the
+token and a random part of its own (the token shows in ``/dev/shm``: a name
+made of it alone could be taken first by another user), where any process
+can see its name once bound. So it serves only processes of the
 same user (or root) that present the key of the memory they ask for (by the id
 of the pool or run of pieces in the handle), made from the server's random
 secret and that id and sent with the handle's bytes: a process that received
@@ -28,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import array
 import atexit
 import errno
 import hmac
@@ -62,6 +65,9 @@ _FIRST_S = 5.0  # for a new connection's first request: one that sends none is c
 _IDLE_S = 300.0  # between requests: an idle connection is closed (its consumer reconnects when it asks again)
 _MAX_SERVED = 1024  # connections served at once; more are closed at once
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# Every send: a peer that has gone raises EPIPE, never SIGPIPE, which kills a process that left it at its
+# default (as command-line tools do, and programs that embed Python).
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 _lock = threading.Lock()
 _server: tuple[bytes, socket.socket, bytes] | None = None  # (name, listening socket, secret)
@@ -78,7 +84,9 @@ resource_ids = itertools.count(1)
 
 
 def _name(token: bytes) -> bytes:
-    return b"\0cupy_ipc-fd-" + token.hex().encode()
+    # With a random part: the token is no secret (a segment's name in /dev/shm shows it to every user), and a
+    # name known in advance could be bound first by another user's process, leaving this one no server.
+    return b"\0cupy_ipc-fd-" + token.hex().encode() + b"-" + secrets.token_hex(8).encode()
 
 
 def _key(secret: bytes, resource: int) -> bytes:
@@ -206,7 +214,7 @@ def _serve_requests(conn: socket.socket, secret: bytes) -> None:
                 return
             numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
             if not hmac.compare_digest(presented, _key(secret, resource)):  # not sent that memory: refused, no more
-                conn.sendall(_COUNT.pack(0))
+                conn.sendall(_COUNT.pack(0), _NOSIGNAL)
                 return
             with _sending:
                 sent = _checked_allowed(numbers, resource)
@@ -217,14 +225,19 @@ def _serve_requests(conn: socket.socket, secret: bytes) -> None:
                     conn.setblocking(False)
                     for k in range(0, n, _PER_MESSAGE):
                         part = numbers[k:k + _PER_MESSAGE]
-                        socket.send_fds(conn, [_COUNT.pack(len(part))], part)
+                        _send_fds(conn, _COUNT.pack(len(part)), part)
                     conn.settimeout(_IDLE_S)
             if sent:
                 _count(n)
             else:
-                conn.sendall(_COUNT.pack(0))
+                conn.sendall(_COUNT.pack(0), _NOSIGNAL)
         except (OSError, struct.error):  # the consumer went away, sent garbage, or nothing in time
             return
+
+
+def _send_fds(conn: socket.socket, data: bytes, fds: list[int]) -> None:
+    """``socket.send_fds`` with ``MSG_NOSIGNAL`` (which Python 3.11's ``send_fds`` would not pass on)."""
+    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], _NOSIGNAL)
 
 
 def _checked_allowed(numbers: list[int], resource: int) -> bool:
@@ -371,7 +384,7 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
         lock, sock = _connection(name, pid)
         with lock:
             try:
-                sock.sendall(request)
+                sock.sendall(request, _NOSIGNAL)
                 state, fds, truncated = _answer_of(sock, len(numbers))
             except BaseException as e:
                 # Interrupted or failed between request and answer: an answer may still come, which the next
@@ -389,9 +402,11 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
         if state == "given" and not truncated:
             return fds
         close_all(fds)
+        if state == "garbled":  # the rest of the answer may follow: the next request would take it as its own
+            _forget_connection(name, sock)
         if truncated:  # the kernel dropped descriptors it could not install here
             raise IpcError(_TRUNCATED)
-        if state == "refused":
+        if state in ("refused", "garbled"):
             raise IpcError(f"producer process {pid} no longer shares this memory (it refused its descriptors)")
         _forget_connection(name, sock)  # broken
         if attempt == 0 and _alive(pid):
@@ -404,8 +419,9 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
 
 def _answer_of(sock: socket.socket, n: int) -> tuple[str, list[int], bool]:
     """The answer to a request for ``n`` descriptors: ``(state, descriptors, truncated)``, the state "given"
-    (all ``n``), "refused" (a message carrying none, or other than its count says) or "closed" (the connection
-    ended). Each of its messages carries at most 253 and says how many."""
+    (all ``n``), "refused" (a first message of count 0 carrying none), "garbled" (a message carrying other than
+    its count says, or descriptors dropped on receipt: more of the answer may follow) or "closed" (the
+    connection ended). Each of its messages carries at most 253 and says how many."""
     fds: list[int] = []
     truncated = False
     try:
@@ -415,8 +431,10 @@ def _answer_of(sock: socket.socket, n: int) -> tuple[str, list[int], bool]:
             truncated |= bool(flags & socket.MSG_CTRUNC)
             if len(head) != _COUNT.size:
                 return "closed", fds, truncated
-            if truncated or not more or _COUNT.unpack(head)[0] != len(more) or len(fds) > n:
+            if not (fds or truncated) and _COUNT.unpack(head)[0] == 0:
                 return "refused", fds, truncated
+            if truncated or not more or _COUNT.unpack(head)[0] != len(more) or len(fds) > n:
+                return "garbled", fds, truncated
             if len(fds) == n:
                 return "given", fds, truncated
     except BaseException:

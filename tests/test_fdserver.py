@@ -857,3 +857,144 @@ def test_a_server_whose_thread_cannot_start_raises_ipc_error_and_a_later_export_
         os.close(w)
         if _fdserver._server is not None:
             _fdserver._server[1].close()
+
+
+def test_an_answer_cut_short_at_the_open_file_limit_is_not_taken_for_the_next_request():
+    # An answer of more than 253 descriptors comes in several messages. Dropped on receipt at the open-file limit,
+    # the first one ended the request, and the rest stayed on the connection: the next request, for other
+    # memory, took the descriptors of the first as its own.
+    first = [_memfd(f"first {k}".encode()) for k in range(300)]
+    other = [_memfd(f"other {k}".encode()) for k in range(47)]
+
+    def allowed(fds: list[int], resource: int) -> bool:
+        return (resource, fds) in ((1, first), (2, other))
+
+    address_first, address_other = serve(allowed, 1), serve(allowed, 2)
+    r, w = os.pipe()
+
+    def consumer() -> str:
+        from cupy_ipc import _fdserver
+
+        _fdserver._connection(address_first[:-16], os.getppid())  # connected first: the limit is for the answer
+        with _at_the_open_file_limit():
+            try:
+                os_close_all(fetch(address_first, os.getppid(), first, 1))
+                dropped = "served"
+            except IpcError as e:
+                dropped = str(e)
+        got = fetch(address_other, os.getppid(), other, 2)
+        return f"{dropped}|{','.join(_read(g).decode() for g in got)}"
+
+    line = _child_line(consumer, r, w, *first, *other)
+    dropped, got = line.split("|")
+    assert "open-file limit" in dropped, line
+    assert got.split(",") == [f"other {k}" for k in range(47)], line
+
+
+def _ended_by(status: int) -> str:
+    return signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+
+
+def test_a_consumer_gone_before_its_answer_does_not_kill_the_producer():
+    # The server's sends went without MSG_NOSIGNAL: in a producer that keeps SIGPIPE's default action (as
+    # command-line tools set it, and programs embedding Python have it), a consumer that gave up on its answer
+    # (timed out, interrupted, killed) before the answer left killed the producer.
+    from cupy_ipc import _fdserver
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            fd = _memfd(b"late")
+            address = serve(lambda fds, _: time.sleep(0.5) or fds == [fd], 1)  # a check that takes a while
+            os.write(w, address.hex().encode() + f" {fd}\n".encode())
+            time.sleep(2.0)  # the answer goes to a consumer gone meanwhile
+        except BaseException:  # noqa: BLE001 - the exit code tells
+            code = 1
+        os._exit(code)
+    try:
+        address_hex, fd = _read_line(r).split()
+        address = bytes.fromhex(address_hex)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(address[:-16])
+        s.sendall(_fdserver._REQUEST.pack(address[-16:], 1, 1) + struct.pack("<i", int(fd)))
+        s.close()
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+    assert _ended_by(status) == "exit 0"
+
+
+def test_a_consumer_whose_connection_the_producer_closed_as_idle_is_not_killed(monkeypatch):
+    # The request went without MSG_NOSIGNAL: a consumer that keeps SIGPIPE's default action, asking again on a
+    # connection the producer had closed (idle for 300 s), was killed rather than reconnecting.
+    from cupy_ipc import _fdserver
+
+    monkeypatch.setattr(_fdserver, "_IDLE_S", 0.2)
+    fd = _memfd(b"again")
+    address = serve(lambda fds, _: fds == [fd], 1)
+    r, w = os.pipe()
+
+    def consumer() -> str:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        os_close_all(fetch(address, os.getppid(), [fd], 1))
+        time.sleep(1.0)  # the producer closes the connection
+        (got,) = fetch(address, os.getppid(), [fd], 1)
+        return _read(got).decode()
+
+    pid = _child(consumer, pipe_out=w)
+    _, status = os.waitpid(pid, 0)
+    line = _read_line(r) if _ended_by(status) == "exit 0" else ""
+    for x in (r, w, fd):
+        os.close(x)
+    assert _ended_by(status) == "exit 0" and line == "again", (_ended_by(status), line)
+
+
+def test_another_user_cannot_take_the_servers_name_before_it_starts(may_switch_user, monkeypatch):  # noqa: F811
+    # The server's name was made of the producer's token alone, which every user sees in /dev/shm's listing (its
+    # segment's name): another user could bind it first, and the producer could then hand out no descriptor.
+    from cupy_ipc import _fdserver, _segment
+    from cupy_ipc._identity import this_process
+
+    me = this_process()
+    producer = me._replace(token=os.urandom(16))  # a producer that has not served yet
+    monkeypatch.setattr(_fdserver, "this_process", lambda: producer)
+    monkeypatch.setattr(_fdserver, "_server", None)
+    seg = _segment.Segment.create(producer.token)  # what any producer that exported something has
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            _as_nobody()
+            for name in os.listdir(os.path.dirname(seg.path)):  # all another user needs
+                if name == os.path.basename(seg.path):
+                    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    squatter.bind(b"\0cupy_ipc-fd-" + name.removeprefix("cupy_ipc-").encode())
+                    squatter.listen(1)
+        except BaseException:  # noqa: BLE001
+            code = 1
+        os.write(ready_w, b"x")
+        os.read(go_r, 1)
+        os._exit(code)
+    try:
+        os.read(ready_r, 1)
+        r, w = os.pipe()
+        address = serve(lambda fds, resource: fds == [r] and resource == 9, 9)
+        (got,) = fetch(address, os.getpid(), [r], 9)
+        assert os.path.samestat(os.fstat(got), os.fstat(r))
+        for x in (got, r, w):
+            os.close(x)
+    finally:
+        os.write(go_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        seg.close(unlink=True)
+        if _fdserver._server is not None:
+            _fdserver._server[1].close()
+        for x in (ready_r, ready_w, go_r, go_w):
+            os.close(x)
+    assert _ended_by(status) == "exit 0"
