@@ -504,8 +504,14 @@ def _mapped_bytes(ptr: int, want: int, ranges: int) -> int:
 
 def _checked(m: _Mapping, allocation_size: int, ranges: int = 1) -> _Mapping:
     """``m``, unless the driver mapped less than the handle claims (then unmapped). Only the import's own
-    ``ranges`` count: another mapping may lie right after it."""
-    return _sized(m, _mapped_bytes(m.ptr, allocation_size, ranges), allocation_size)
+    ``ranges`` count: another mapping may lie right after it. Interrupted (Ctrl-C in the driver's size query),
+    it unmaps ``m`` too, rather than lose it (a legacy import, see :func:`_import`, closes its own)."""
+    try:
+        size = _mapped_bytes(m.ptr, allocation_size, ranges)
+    except BaseException:
+        m.unmap()
+        raise
+    return _sized(m, size, allocation_size)
 
 
 def _sized(m: _Mapping, size: int, allocation_size: int) -> _Mapping:

@@ -523,3 +523,26 @@ def test_a_close_on_a_thread_with_no_context_makes_the_mappings_gpu_current_and_
                         lambda device, bind=False: calls.append(("current", device, bind)) or contextlib.nullcontext())
     _mapping._cuda.close_ipc_mapping(0x1000, 1)
     assert calls == [0x1000, ("current", 1, True), 0x1000]
+
+
+@pytest.mark.parametrize("kind", ["pool", "vmm"])
+def test_an_import_by_descriptor_interrupted_in_its_size_check_unmaps_it(producer, monkeypatch, kind):
+    # Ctrl-C during the driver's size query of a pool or virtual-memory import (cuMemGetAddressRange, raised as
+    # the call returns) lost the mapping: the pool allocation was never freed (the producer's memory stayed
+    # imported, and the pool with it) nor the pieces unmapped. A legacy import closes its mapping there.
+    import os
+
+    token, own, view, held = producer
+    unmapped: list[int] = []
+
+    def interrupted(ptr, want, ranges):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_mapping, "_mapped_bytes", interrupted)
+    monkeypatch.setattr(_mapping._cuda, "using_device", lambda device, bind=False: contextlib.nullcontext())
+    importer = (lambda: 0x2000, unmapped.append, 0 if kind == "pool" else 2)
+    with pytest.raises(KeyboardInterrupt):
+        _mapping.acquire(("k",), 0, bytes(64), 64, None, None, view, token, os.getpid(), 9, 3, None, 0, 0,
+                         importer, kind == "pool")
+    assert unmapped == [0x2000]
+    assert not _mapping._active and not _mapping._claims and not held()
