@@ -565,7 +565,10 @@ def open_info(array: Any) -> OpenInfo | None:
     owner = getattr(getattr(getattr(array, "data", None), "mem", None), "_owner", None)
     if isinstance(owner, _mapping.Lease):
         return OpenInfo(array.data.device_id, owner.memory_device, copied=False)
-    return _opened_unmapped.get(array)
+    info = _opened_unmapped.get(array)
+    if info is None and (base := getattr(array, "base", None)) is not None:  # a view: CuPy's base is its root
+        info = _opened_unmapped.get(base)
+    return info
 
 
 def _forget_after_fork() -> None:

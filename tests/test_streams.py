@@ -266,6 +266,35 @@ def test_own_staged_open_waits_on_the_stream_that_copies(gpus, monkeypatch):
         h.release()
 
 
+def test_open_info_of_a_view_of_a_staged_copy_says_it_is_a_copy(gpus, monkeypatch):
+    # open_info() answers for "an array that open() returned (or a view of it)": for a view of an array that
+    # open(copy=True) returned, it answered None, which says that the array did not come from open() at all.
+    import cupy
+
+    from cupy_ipc import OpenInfo, open_info
+
+    gpus.getDeviceCount = lambda: 2
+    gpus.streamWaitEvent = lambda s, ev, flags: None
+    gpus.memcpyPeerAsync = lambda dst, dd, src, sd, n, s: None
+    monkeypatch.setattr(_cuda, "_ordinals", {})
+    monkeypatch.setattr(_cuda, "can_access_peer", lambda a, b: a == b)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device_id=-1: _NullStream)
+    monkeypatch.setattr(cupy.cuda, "alloc", lambda n: cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(0x900000, n, None, gpus.device), 0))
+    h = _array_handle.get_ipc_handle(_array_on(0))
+    b = None
+    try:
+        b = h.open(device=1, copy=True)
+        copied = OpenInfo(device=1, memory_device=0, copied=True)
+        infos = [open_info(view) for view in (b, b[1:], b.reshape(4, 4).T)]
+        assert infos == [copied] * 3
+    finally:
+        del b
+        h.close()
+        gc.collect()
+        h.release()
+
+
 class _PerThreadRuntime:
     """One GPU whose per-thread default stream (handle 2) has work queued on the threads ``busy()`` says, which
     the legacy default stream (handle 1) follows: it has work queued on every thread."""
