@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run() -> int:
     try:
         code = main()
-        sys.stdout.flush()  # here, where a reader that went away (`| head`) can be told apart
+        if sys.stdout is not None:  # None where descriptor 1 was closed (`>&-`): print() wrote nothing
+            sys.stdout.flush()  # here, where a reader that went away (`| head`) can be told apart
     except BrokenPipeError:
         # Not an error of this command: no traceback. Python flushes stdout again at exit, into nothing now.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

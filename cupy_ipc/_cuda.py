@@ -168,6 +168,8 @@ def unavailable_reason() -> str | None:
         from cupy_backends.cuda.api.runtime import CUDARuntimeError
     except ImportError as e:
         return f"CuPy is not installed ({e}); install cupy_ipc with the cuda12 or cuda13 extra"
+    except Exception as e:  # noqa: BLE001 - CuPy makes its kernel cache directory as it is imported (~/.cupy)
+        return f"CuPy cannot be imported: {type(e).__name__}: {e}"
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except CUDARuntimeError as e:

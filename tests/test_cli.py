@@ -51,3 +51,36 @@ def test_a_reader_that_goes_away_ends_the_command_without_a_traceback():
         os.close(w)
     assert p.returncode == 1
     assert "Traceback" not in p.stderr and "BrokenPipeError" not in p.stderr, p.stderr
+
+
+def test_a_closed_stdout_ends_the_command_without_a_traceback():
+    # `python -m cupy_ipc doctor --json >&-`: Python sets sys.stdout to None where descriptor 1 is closed, and
+    # the flush after the command ended in AttributeError's traceback. (The doctor's report needs no GPU.)
+    p = subprocess.run(["sh", "-c", 'exec "$0" -m cupy_ipc doctor --json >&-', sys.executable],
+                       stderr=subprocess.PIPE, text=True, timeout=240)
+    assert p.returncode in (0, 1)
+    assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("command", [["demo"], ["doctor"], ["doctor", "--json"]])
+def test_a_cupy_that_cannot_be_imported_is_reported_in_one_line_not_a_traceback(command, tmp_path):
+    # CuPy makes its kernel cache directory (~/.cupy/kernel_cache) as it is imported: as a user whose home is
+    # not writable (docker --user 1000 gives HOME=/) `import cupy` raises PermissionError, which escaped
+    # unavailable_reason() (it caught ImportError only) as a traceback of the demo and of the doctor.
+    import json
+    import os
+
+    (tmp_path / "file").write_text("")
+    env = {**os.environ, "CUPY_CACHE_DIR": str(tmp_path / "file" / "kernel_cache")}  # cannot be made
+    r = subprocess.run([sys.executable, "-m", "cupy_ipc", *command], capture_output=True, text=True, timeout=240,
+                       env=env)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr, r.stderr
+    out = r.stderr if command == ["demo"] else r.stdout
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out
+    if command == ["doctor", "--json"]:
+        report = json.loads(lines[0])
+        assert "CuPy cannot be imported" in report["gpu_error"] and not report["ok"]
+    else:
+        assert lines[0].startswith(f"cupy_ipc {command[0]}: no GPU to ") and "CuPy cannot be imported" in lines[0]
