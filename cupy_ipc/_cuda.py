@@ -199,7 +199,7 @@ def _driver() -> Any:
     except Exception as e:  # cuda-bindings raises its own error when libcuda cannot be loaded
         raise IpcError(f"the CUDA driver library cannot be loaded: {e}") from e
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise IpcError(f"cuInit failed: {err!r}", cuda_error=str(err))
+        raise IpcError(f"cuInit failed: {_enum_name(err)}", cuda_error=_enum_name(err))
     return driver
 
 
@@ -224,11 +224,18 @@ def _libcuda_fn(name: str, *argtypes: Any) -> Any:
     return fn
 
 
+def _enum_name(err: Any) -> str:
+    """The name of cuda-bindings' ``CUresult`` ``err`` (``CUDA_ERROR_INVALID_VALUE``): not its ``str()``, which is
+    its repr (``<CUresult.CUDA_ERROR_INVALID_VALUE: 1>``, cuda-bindings 12.9 and 13) or, for an ``IntEnum``
+    on Python 3.11 and later, its number."""
+    return str(getattr(err, "name", err))
+
+
 def check(what: str, err: Any) -> None:
     """Raise :class:`IpcError` naming ``what`` unless a driver call's ``err`` is success."""
     driver = _driver()
     if err != driver.CUresult.CUDA_SUCCESS:
-        name = err.name if hasattr(err, "name") else str(err)
+        name = _enum_name(err)
         raise IpcError(f"{what} failed: {name}", cuda_error=name)
 
 
@@ -390,7 +397,7 @@ def pointer_info(ptr: int) -> PointerInfo:
     attrs = _attributes()
     err, values = driver.cuPointerGetAttributes(len(attrs), attrs, ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise IpcError(f"cuPointerGetAttributes failed for 0x{ptr:x}: {err!r}", cuda_error=str(err))
+        raise IpcError(f"cuPointerGetAttributes failed for 0x{ptr:x}: {_enum_name(err)}", cuda_error=_enum_name(err))
     base, size, buffer_id, mtype, managed, legacy = values
     mtype = int(mtype)
     if managed:
@@ -568,9 +575,18 @@ def _make(what: str, device: int | None, out: ctypes.c_uint64 | ctypes.c_int, fn
     :func:`open_ipc_mapping`, the caller that sees anything raised with ``out`` set owns what it holds.
     ``device``: see :func:`_in_context`."""
     if fn is None:  # (returned as a value: an interrupt raised as the call returns loses it)
-        err, made = fallback()
-        check(what, err)
-        out.value = int(made)
+        failed: list[Any] = []
+
+        def via_bindings() -> int:  # tried again in the device's context, as libcuda's fn is (see _in_context)
+            err, made = fallback()
+            if err != _driver().CUresult.CUDA_SUCCESS:
+                failed.append(err)
+                return int(err)
+            out.value = int(made)
+            return 0
+
+        if _in_context(device, via_bindings):
+            check(what, failed[-1])
         return
     _checked(what, device, fn, ctypes.byref(out), *args)
 
@@ -676,7 +692,7 @@ def address_range(ptr: int) -> tuple[int, int]:
     driver = _driver()  # (an error: its name, from cuda-bindings)
     err, base, size = driver.cuMemGetAddressRange(ptr)
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise IpcError(f"cuMemGetAddressRange failed for 0x{ptr:x}: {err!r}", cuda_error=str(err))
+        raise IpcError(f"cuMemGetAddressRange failed for 0x{ptr:x}: {_enum_name(err)}", cuda_error=_enum_name(err))
     return int(base), int(size)
 
 
