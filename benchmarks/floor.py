@@ -211,8 +211,18 @@ def free_buffers(method: str) -> None:
     _free_buffers(method)
 
 
+_unordered = roundtrip.unordered
+
+
+def unordered(method: str) -> bool:
+    # Without the ordering event (E) the prototype orders nothing: its buffers are synchronized, untimed, before
+    # they are sent, as raw calls' and cupy_ipc's without ordering are.
+    return "E" not in FEATURES[method] if method in FEATURES else _unordered(method)
+
+
 roundtrip.consume, roundtrip._message, roundtrip.consumer, roundtrip.free_buffers = (consume, message, consumer,
                                                                                      free_buffers)
+roundtrip.unordered = unordered
 roundtrip.METHODS = (*roundtrip.METHODS, *FEATURES)
 
 if __name__ == "__main__":

@@ -554,7 +554,8 @@ def markdown(doc: dict[str, Any]) -> str:
     median = {(r["method"], r["bytes"], r["resent"]): r["median_us"] for r in rows}
     lines += ["", "| size | kind | cupy_ipc ÷ raw | torch ÷ cupy_ipc | staging ÷ cupy_ipc | mp ÷ raw "
               "| torch ÷ mp | staging ÷ mp | pool ÷ mp | vmm ÷ mp |", "|---|---|" + "---:|" * 8]
-    for nbytes, resent in ours:
+    # Every case some method ran (not only those cupy_ipc ran: mp ÷ raw, torch ÷ mp, ... stand without it).
+    for nbytes, resent in dict.fromkeys((r["bytes"], r["resent"]) for r in rows if r["method"] != "bare"):
         cells = []
         for num, den in (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("staging", "cupy_ipc"),
                          ("mp", "raw"), ("torch", "mp"), ("staging", "mp"), ("pool", "mp"), ("vmm", "mp")):

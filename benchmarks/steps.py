@@ -215,7 +215,7 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
             options = METHODS[method]
             for resent in (False, True):
                 rows: dict[str, list[float]] = collections.defaultdict(list)
-                arr = new_buffer(method, nbytes, 1)  # "pool": of a ShareableMemoryPool, else CuPy's pool
+                arr = new_buffer(method, nbytes, 1) if resent else None  # "pool": a ShareableMemoryPool's
                 cache: dict[str, Any] = {}
                 for i in range(iters + 20):
                     if not resent:
@@ -238,6 +238,9 @@ def run(iters: int, nbytes: int, idle: int | None = None, no_gc: bool = False,
                     if value != 1.0:
                         raise RuntimeError(f"{method}: read {value}")
                     if i < 20:
+                        if not resent:  # as below: else the pool hands a buffer already sent back as "fresh"
+                            del arr
+                            free_buffers(method)
                         continue
                     rows["producer: export"].append(t1 - t0)
                     rows["round trip"].append(t2 - t0)

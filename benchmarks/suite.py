@@ -112,6 +112,30 @@ def all_gather_run(ranks: int, iters: int) -> dict[str, Any]:
     return out
 
 
+def start_watchdog(seconds: float) -> None:
+    """After ``seconds``: print every thread's stack, kill this run's child processes and exit with 1.
+
+    The children must be killed: a consumer waiting on a ``Queue`` holds the queue's writing end too, so it
+    never sees the producer go and would outlive the run, holding its GPU memory and mappings. faulthandler's
+    own timer, a little later, still ends a run whose main thread never lets this one run.
+    """
+    import faulthandler
+    import multiprocessing
+    import threading
+
+    def fire() -> None:
+        print(f"suite: watchdog: still running after {seconds:g} s", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for child in multiprocessing.active_children():
+            child.kill()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + 30, exit=True)
+
+
 STEPS = ("roundtrip", "paired", "events", "bandwidth", "peer_matrix", "all_gather")
 
 
@@ -161,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"suite: unknown step(s) {', '.join(unknown)}: choose from {', '.join(STEPS)}", file=sys.stderr)
         return 2
     if args.watchdog:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+        start_watchdog(args.watchdog)
 
     from cupy_ipc._cuda import unavailable_reason
 

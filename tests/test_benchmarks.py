@@ -235,3 +235,129 @@ def test_paired_takes_the_safety_variants_of_cupy_ipc():
     paired.check_methods(["raw", "cupy_ipc", "cupy_ipc-nosync", "cupy_ipc-nokeep", "cupy_ipc-unsafe"])
     with pytest.raises(ValueError, match="unknown method.*cupy_ipc-fast"):
         paired.check_methods(["cupy_ipc-fast"])
+
+
+def test_the_ratio_table_has_every_case_not_only_those_cupy_ipc_ran():
+    roundtrip = _benchmark_module("roundtrip")
+    rows = [{"method": m, "bytes": 1 << 20, "resent": resent, "iters": 3, "median_us": us, "p10_us": us,
+             "p90_us": us} for m, us in (("bare", 50.0), ("raw", 100.0), ("mp", 150.0), ("torch", 600.0))
+            for resent in (False, True) if not (m == "bare" and resent)]
+    lines = roundtrip.markdown({"results": rows}).splitlines()
+    ratios = lines[lines.index("") + 1:]
+    # mp ÷ raw and torch ÷ mp were measured: they are reported, though cupy_ipc did not run.
+    assert ratios[2:] == ["| 1 MiB | fresh |  |  |  | 1.50 | 4.00 |  |  |  |",
+                          "| 1 MiB | re-sent |  |  |  | 1.50 | 4.00 |  |  |  |"]
+
+
+def test_the_floor_prototype_without_its_ordering_event_is_synchronized_before_sending():
+    # As raw calls and cupy_ipc with ordering off: their user owes a synchronize, which the loops make untimed.
+    code = "import floor, roundtrip; print(sorted(m for m in floor.FEATURES if roundtrip.unordered(m)))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=FLOOR.parent, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == "['floor-0', 'floor-A', 'floor-L']"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_suite_watchdog_ends_the_child_processes_of_a_hung_run(tmp_path):
+    # A consumer waiting on a queue holds the queue's writing end too: it never sees its producer go.
+    pidfile = tmp_path / "child.pid"
+    code = f"""
+import multiprocessing, sys, time
+sys.path.insert(0, {str(SUITE.parent)!r})
+import cupy, cupy_ipc._cuda, roundtrip, suite
+cupy_ipc._cuda.unavailable_reason = lambda: None  # a GPU machine, as far as the suite can tell
+cupy.cuda.runtime.getDeviceCount = lambda: 1
+roundtrip.environment = lambda: {{}}
+
+def hung(*args, **kwargs):  # a round trip whose consumer never answers
+    p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(300,), daemon=True)
+    p.start()
+    open({str(pidfile)!r}, "w").write(str(p.pid))
+    time.sleep(300)
+
+roundtrip.run = hung
+sys.exit(suite.main(["--only", "roundtrip", "--watchdog", "3", "--out", {str(tmp_path)!r}]))
+"""
+    log = tmp_path / "log"
+    try:
+        with open(log, "w") as out:  # not a pipe: a child left alive would hold it open, and run() wait for it
+            r = subprocess.run([sys.executable, "-c", code], stdout=out, stderr=out, timeout=120)
+        assert r.returncode == 1, log.read_text()[-3000:]
+        pid = int(pidfile.read_text())
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), "the hung run's child outlived the watchdog"
+    finally:
+        if pidfile.exists() and _alive(int(pidfile.read_text())):  # ours: end it
+            import os
+            import signal
+
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_the_step_timer_sends_a_new_buffer_in_every_fresh_message(monkeypatch):
+    import collections
+    import types
+
+    steps = _benchmark_module("steps")
+    free_blocks, made = [], [0]  # a caching pool: a buffer let go is handed out again until the pool is freed
+
+    class Buffer:
+        def __init__(self):
+            if free_blocks:
+                self.block = free_blocks.pop()
+            else:
+                self.block, made[0] = made[0], made[0] + 1
+
+        def __del__(self):
+            free_blocks.append(self.block)
+
+    sent = []
+
+    def raw_handle(arr, resent, cache):
+        sent.append((resent, arr.block))
+        return b"handle"
+
+    class Conn:
+        def send(self, msg):
+            pass
+
+        def close(self):
+            pass
+
+    class Proc:
+        def __init__(self, **kwargs):
+            pass
+
+        def start(self):
+            pass
+
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            return False
+
+    ctx = types.SimpleNamespace(Pipe=lambda: (Conn(), Conn()), Process=Proc)
+    monkeypatch.setattr(steps, "multiprocessing", types.SimpleNamespace(get_context=lambda name: ctx))
+    monkeypatch.setattr(steps, "instrument", lambda names: collections.Counter())
+    monkeypatch.setattr(steps, "runnable", lambda methods: ["raw"])
+    monkeypatch.setattr(steps, "new_buffer", lambda method, nbytes, value: Buffer())
+    monkeypatch.setattr(steps, "fresh_buffer", lambda method, nbytes: Buffer())
+    monkeypatch.setattr(steps, "free_buffers", lambda method: free_blocks.clear())
+    monkeypatch.setattr(steps, "raw_handle", raw_handle)
+    monkeypatch.setattr(steps, "receive", lambda conn, proc, timeout, who: (1.0, {}, {}))
+    out = steps.run(5, 4096)
+    assert len(out[("raw", False)]["round trip"]) == 5
+    fresh = [block for resent, block in sent if not resent]
+    assert len(fresh) == 25
+    for i in range(20, 25):  # the counted ones (after 20 of warm-up): none a buffer sent before
+        assert fresh[i] not in fresh[:i], (i, fresh)
