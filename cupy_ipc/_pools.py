@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from . import _cuda, _fdserver, _reaper, _segment, _threads
+from . import _cuda, _fdserver, _fork, _reaper, _segment, _threads
 from ._descriptors import close_quietly, not_inherited
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 
@@ -340,12 +340,13 @@ class _DriverPools:
         self.streams[ptr] = (weakref.ref(stream), _threads.mark())  # and the thread, whose per-thread stream it may be
         return ptr
 
-    def free(self, ptr: int, device: int, _nameable: Callable[[int, object], int] = _threads.nameable) -> None:
+    def free(self, ptr: int, device: int, _nameable: Callable[[int, object], int] = _threads.nameable,
+             _getpid: Callable[[], int] = os.getpid) -> None:
         # Bound names only: blocks are also freed while the interpreter shuts down, when imports fail and
         # module globals are gone; the driver releases the pool's memory with the process then anyway.
         ref, owner = self.streams.pop(ptr, (None, None))
-        if self.finalizing():
-            return
+        if self.finalizing() or self.pid != _getpid():
+            return  # (a forked child's copy of a block: the parent's memory, and its CUDA calls would crash or hang)
         with self.cupy.cuda.Device(device):
             # After the work queued where the block was allocated, as CuPy's MemoryAsync frees: the current
             # stream may be another, non-blocking one (a pin let go on the library's thread, say). A stream
@@ -406,6 +407,7 @@ class ShareableMemoryPool:
     def __init__(self, device: int | None = None) -> None:
         import cupy
 
+        _fork.check()  # a forked child's CUDA calls would crash or hang
         _reaper.start()  # for _DriverPools.__del__
         driver = _driver()
         n = _cuda.device_count()  # also initializes the driver
@@ -436,6 +438,7 @@ class ShareableMemoryPool:
         return self._allocator.malloc(size)
 
     def _attribute(self, name: str) -> int:
+        _fork.check()
         runtime = _cuda.rt()
         pool = self._pools.pools.get(runtime.getDevice())
         return 0 if pool is None else int(runtime.memPoolGetAttribute(int(pool), getattr(runtime, name)))
@@ -455,6 +458,7 @@ class ShareableMemoryPool:
         """Give the current GPU's unused memory back to the driver (after ``stream``'s frees)."""
         import cupy
 
+        _fork.check()
         runtime = _cuda.rt()
         (stream or cupy.cuda.get_current_stream()).synchronize()
         pool = self._pools.pools.get(runtime.getDevice())
