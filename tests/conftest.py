@@ -73,6 +73,18 @@ def _earlier_garbage_collected():
 
 
 @pytest.fixture(autouse=True)
+def _cupy_names_looked_up_per_test():
+    """``_cuda.cupy_names`` keeps what it looks up (``cupy.cuda.get_current_stream`` among them) for good: the
+    stub of a test that replaced it would answer every later test's ``_resend`` and ``_open_common``, and a
+    later test's own stub would never reach them. Looked up again in each test."""
+    from cupy_ipc import _cuda
+
+    _cuda.cupy_names.cache_clear()
+    yield
+    _cuda.cupy_names.cache_clear()
+
+
+@pytest.fixture(autouse=True)
 def _closes_done(monkeypatch):
     """The mappings a test let go are closed before its stubs go (with ``monkeypatch``, which is torn down
     after this): the closer thread would otherwise close them through the real driver, during a later test."""

@@ -487,3 +487,23 @@ def test_an_events_handle_reads_back_whatever_value_set_its_blocking_flag(gpus, 
         assert ev.block is h.block is bool(block)
     finally:
         ev._finalizer.detach()
+
+
+def test_a_re_sent_array_is_ordered_on_the_current_stream_the_test_gives(gpus, monkeypatch):
+    # _resend asks for the current stream through _cuda.cupy_names, cached on first use: a stub of
+    # cupy.cuda.get_current_stream cached by an earlier test (test_failed_opens' returns stream 0x5EED) answered
+    # here instead of this one, and the re-sent array went out unordered though its stream had work queued.
+    import cupy
+
+    current = type("S", (), {"ptr": 0xF00D})()  # this test's own current stream of GPU 0
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device_id=-1: current)
+    gpus.busy.add(0xF00D)
+    a = _array_on(0)
+    handles = [_array_handle.get_ipc_handle(a) for _ in range(4)]  # from the third on: _resend
+    try:
+        for h in handles:
+            assert h.synced, "a re-sent array went out unordered while its current stream has work queued"
+        assert [s for _, s in gpus.recorded] == [0xF00D] * 4
+    finally:
+        for h in handles:
+            h.release()
