@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import warnings
 
@@ -261,6 +262,10 @@ def test_our_memory_sent_back_after_many_other_exports_opens_as_ours(remote, mon
     from cupy_ipc import _array_handle
 
     monkeypatch.setattr(_array_handle, "_HANDLE_CACHE_SIZE", 4)
+    # A table of this test's exports only: allocations that earlier tests left alive would hold its places, and
+    # how many of them are alive depends on which tests ran before.
+    monkeypatch.setattr(_array_handle, "_exported", collections.OrderedDict())
+    monkeypatch.setattr(_array_handle, "_handle_cache", {})
     allocator = cupy_ipc.ShareableMemoryPool().malloc if kind == "pool" else cupy.get_default_memory_pool().malloc
     relay = remote()
     with cupy.cuda.using_allocator(allocator):
