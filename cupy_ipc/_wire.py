@@ -14,7 +14,7 @@ import math
 import operator
 import re
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -488,6 +488,18 @@ _resent: dict[bytes, ArrayFields] = {}
 _CACHED_MAX = 1024
 
 
+_V = TypeVar("_V")
+
+
+def _keep(cache: dict[bytes, _V], key: bytes, value: _V) -> None:
+    """Keep ``value`` in one of the parse caches, unless ``key`` is longer than :data:`_CACHED_MAX`; a full
+    cache starts again."""
+    if len(key) <= _CACHED_MAX:
+        if len(cache) >= _LAYOUTS_MAX:
+            cache.clear()
+        cache[key] = value
+
+
 _ARRAY_START = ARRAY_MAGIC + struct.pack("<H", VERSION)
 
 
@@ -502,10 +514,7 @@ def unpack_array(data: object) -> ArrayFields:
     if f is not None:
         return _tuple_new(ArrayFields, (*f[:10], *_DYNAMIC.unpack_from(raw, _DYNAMIC_AT), *f[13:]))
     fields = _unpack_new(raw)
-    if len(exact) <= _CACHED_MAX:
-        if len(_resent) >= _LAYOUTS_MAX:
-            _resent.clear()
-        _resent[exact] = fields
+    _keep(_resent, exact, fields)
     return fields
 
 
@@ -518,10 +527,7 @@ def _unpack_new(raw: bytes) -> ArrayFields:
     hit = _layouts.get(key)
     if hit is None:
         fields, reach = _parse(raw)
-        if len(key) <= _CACHED_MAX:
-            if len(_layouts) >= _LAYOUTS_MAX:
-                _layouts.clear()
-            _layouts[key] = (fields, reach)
+        _keep(_layouts, key, (fields, reach))
         return fields
     f, reach = hit
     mem, offset, size, base, buffer_id = _ALLOCATION.unpack_from(raw, _ALLOCATION_AT)
