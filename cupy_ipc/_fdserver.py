@@ -431,9 +431,10 @@ def _answer_of(sock: socket.socket, n: int) -> tuple[str, list[int], bool]:
             truncated |= bool(flags & socket.MSG_CTRUNC)
             if len(head) != _COUNT.size:
                 return "closed", fds, truncated
-            if not (fds or truncated) and _COUNT.unpack(head)[0] == 0:
+            (count,) = _COUNT.unpack(head)
+            if not (fds or truncated) and count == 0:
                 return "refused", fds, truncated
-            if truncated or not more or _COUNT.unpack(head)[0] != len(more) or len(fds) > n:
+            if truncated or not more or count != len(more) or len(fds) > n:
                 return "garbled", fds, truncated
             if len(fds) == n:
                 return "given", fds, truncated
