@@ -782,6 +782,9 @@ class IpcArrayHandle:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("IpcArrayHandle is immutable")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("IpcArrayHandle is immutable")
+
     # --- the value ------------------------------------------------------------
     version = property(lambda self: VERSION, doc="Wire format version.")
     kind = property(lambda self: Kind.names[self._f.kind],

@@ -237,6 +237,9 @@ class IpcEventHandle:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("IpcEventHandle is immutable")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("IpcEventHandle is immutable")
+
     @classmethod
     def from_bytes(cls, data: bytes) -> "IpcEventHandle":
         """Parse and validate the output of :meth:`to_bytes`.

@@ -435,6 +435,23 @@ def test_array_handle_attributes_cannot_be_deleted():
         del h.nonexistent
 
 
+@pytest.mark.parametrize("name", ["_f", "_wire", "_opened", "_fd", "_server"])
+def test_array_handle_slots_cannot_be_deleted(name):
+    # A deleted slot would leave a handle that raises on every later use, pickling included.
+    h = make()
+    before = h.to_bytes()
+    with pytest.raises(AttributeError, match="immutable"):
+        delattr(h, name)
+    assert h.to_bytes() == before and pickle.loads(pickle.dumps(h)) == h
+
+
+def test_event_handle_slot_cannot_be_deleted():
+    e = make_event()
+    with pytest.raises(AttributeError, match="immutable"):
+        del e._f
+    assert IpcEventHandle.from_bytes(e.to_bytes()) == e
+
+
 def test_array_handle_has_no_instance_dict():
     # With a __dict__, vars(h)["x"] = ... would sidestep __setattr__.
     assert not hasattr(make(), "__dict__")
