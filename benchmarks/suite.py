@@ -98,12 +98,33 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def run_ended(cmd: list[str], timeout: float, grace: float = 30) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that, past ``timeout``, ends the command with
+    SIGTERM before SIGKILL, then raises ``subprocess.TimeoutExpired``.
+
+    torchrun starts its workers in sessions of their own: killed outright, it leaves them running, holding
+    their GPUs until the process group's own timeout. SIGTERM it passes on to them.
+    """
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                out, err = p.communicate(timeout=grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+        return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def all_gather_run(ranks: int, iters: int) -> dict[str, Any]:
     """``all_gather.py`` under torchrun, one rank per GPU; its rank 0's figures."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "all_gather.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), script,
            "--iters", str(iters)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = run_ended(cmd, 300)
     lines = [line for line in r.stdout.splitlines() if line.startswith("ALL_GATHER ")]
     if r.returncode or not lines:
         raise RuntimeError(f"torchrun exited with {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")

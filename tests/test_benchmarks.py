@@ -303,6 +303,37 @@ sys.exit(suite.main(["--only", "roundtrip", "--watchdog", "3", "--out", {str(tmp
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
+def test_a_launcher_past_its_time_is_ended_so_that_its_workers_end_too(tmp_path):
+    # Like torchrun: a worker in a session of its own, ended by the launcher only when it gets SIGTERM.
+    pidfile = tmp_path / "worker.pid"
+    launcher = f"""
+import signal, subprocess, sys, time
+w = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+open({str(pidfile)!r}, "w").write(str(w.pid))
+def stop(*_):
+    w.kill()
+    w.wait()
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+print("started", flush=True)
+time.sleep(300)
+"""
+    suite = _benchmark_module("suite")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired) as caught:
+            suite.run_ended([sys.executable, "-c", launcher], 3, grace=20)
+        assert "started" in caught.value.stdout
+        assert not _alive(int(pidfile.read_text())), "the launcher's worker outlived it"
+        r = suite.run_ended([sys.executable, "-c", "print('done')"], 30)
+        assert (r.returncode, r.stdout) == (0, "done\n")
+    finally:
+        if pidfile.exists() and _alive(int(pidfile.read_text())):
+            import os
+            import signal
+
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
 def test_the_step_timer_sends_a_new_buffer_in_every_fresh_message(monkeypatch):
     import collections
     import types
