@@ -113,6 +113,8 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
             _exports_to_sweep -= 1
         elif _pins:
             _sweep(seg)
+        if lease is not None:
+            _start_keeper()  # before anything is taken: a thread that cannot start fails the export, leaving nothing
         event = handle = None
         # (The legacy default stream's query counts the work of the blocking streams it waits for: measured.)
         if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
@@ -154,17 +156,23 @@ _keeper: threading.Thread | None = None
 def _watch(deadline: float, export_id: int) -> None:
     # The caller holds _lock. The heap keeps the deadlines of pins that ended before their lease: dropped
     # once they outnumber the live pins (amortized), so that leased messages on a busy queue do not pile up.
-    global _keeper
     with _leases_changed:
         if len(_leases) >= 2 * len(_pins) + 64:
             _leases[:] = [entry for entry in _leases if entry[1] in _pins]
             heapq.heapify(_leases)
         heapq.heappush(_leases, (deadline, export_id))
-        if _keeper is None:
-            _keeper = threading.Thread(target=_keep_leases, name="cupy_ipc-leases", daemon=True)
-            _keeper.start()
         if _leases[0][1] == export_id:  # else the keeper waits for an earlier deadline: no need to wake it
             _leases_changed.notify()
+
+
+def _start_keeper() -> None:
+    # The caller holds _lock. Kept only once started: a thread that could not start ("can't start new thread",
+    # a container's limit on processes) is tried again by the next lease, not taken for one that runs.
+    global _keeper
+    if _keeper is None:
+        keeper = threading.Thread(target=_keep_leases, name="cupy_ipc-leases", daemon=True)
+        keeper.start()
+        _keeper = keeper
 
 
 _LONGEST_WAIT = 3600.0  # s: a longer wait (an infinite lease) would overflow the lock's timeout

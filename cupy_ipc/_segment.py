@@ -367,10 +367,12 @@ class Segment:
         if state & ONE_CONSUMER:
             _U32.pack_into(mm, at + 8, min(opens + 1, MAX_OPENS))  # type: ignore[arg-type]
             return
-        self.lock(mutex(slot), WRITE)
         try:
+            # Locked in the try: an interrupt raised as the lock call returns, the lock taken, must not leave it
+            # held, or every other consumer's count would wait for it (dropped untaken, it changes nothing).
             # At most as many as an export may admit (reopens count too): counted on, the count could only
             # wrap; all it tells then is that every consumer has opened.
+            self.lock(mutex(slot), WRITE)
             self.write_opens(slot, min(self.opens(slot) + 1, MAX_OPENS))
         finally:
             self.unlock(mutex(slot))

@@ -340,3 +340,34 @@ def test_a_child_of_every_start_method_awaits_the_receivers_of_what_it_sent(tmp_
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "0", r.stderr
     assert "exits with 1 array(s) it sent that no receiver opened within 0.5 s" in r.stderr, r.stderr
+
+
+def test_a_lease_thread_that_cannot_start_leaves_no_pin_and_is_started_by_a_later_lease():
+    # Thread creation can fail (a container's pids limit): "can't start new thread". The export that wanted the
+    # keeper must then fail leaving nothing pinned, and a later lease must still get a keeper that revokes it.
+    done = _run("""
+        import threading, time
+        from cupy_ipc import _keepalive, _segment
+        from cupy_ipc._identity import this_process
+
+        real = threading.Thread.start
+        def no_thread(self):
+            raise RuntimeError("can't start new thread")
+        threading.Thread.start = no_thread
+        try:
+            _keepalive.pin(None, (0, 64, 0), 0, 1, 60.0, None, ((16,), "float32"))
+            print("exported")
+        except RuntimeError:
+            print("refused")
+        finally:
+            threading.Thread.start = real
+        print(len(_keepalive._pins))
+        export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.05, None, ((16,), "float32"))
+        seg = _segment.own_segment(this_process().token)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and seg.read(slot)[2] & _segment.STATE != _segment.REVOKED:
+            time.sleep(0.01)
+        print(seg.read(slot)[2] & _segment.STATE == _segment.REVOKED)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["refused", "0", "True"], (done.stdout, done.stderr)

@@ -874,3 +874,33 @@ def test_the_count_of_opens_stops_at_its_largest_value(token, consumers_flag):
     finally:
         consumer.close()
         producer.close(unlink=True)
+
+
+def test_an_interrupt_just_as_the_count_of_opens_takes_the_mutex_leaves_it_free(token, monkeypatch):
+    # Ctrl-C that arrives while the mutex's lock call returns is raised at that call, once the lock is taken (as
+    # hold()'s notes say of its own lock): the mutex stayed held by this process's open file, and every other
+    # consumer of the slot waited for it for ever in its count of opens, holding its library's lock.
+    producer = Segment.create(token)
+    consumer, other = Segment.attach(token, pid=os.getpid()), Segment.attach(token, pid=os.getpid())
+    try:
+        producer.write(4, 11, PINNED)  # an export for several consumers: counted under the mutex
+        assert consumer.hold(4, 11)
+        real = fcntl.fcntl
+
+        def signalled_on_return(fd, cmd, arg=0):
+            got = real(fd, cmd, arg)
+            if cmd == fcntl.F_OFD_SETLKW and _segment._FLOCK.unpack(arg)[2] == mutex(4):
+                raise KeyboardInterrupt  # the handler of a signal that came during the call
+            return got
+
+        monkeypatch.setattr(fcntl, "fcntl", signalled_on_return)
+        with pytest.raises(KeyboardInterrupt):
+            consumer.count_open(4)
+        monkeypatch.undo()
+        assert other.lock(mutex(4), WRITE, wait=False), "the interrupted count left the slot's mutex held"
+        other.unlock(mutex(4))
+        consumer.unlock(in_use(4))
+    finally:
+        consumer.close()
+        other.close()
+        producer.close(unlink=True)
