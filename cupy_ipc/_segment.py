@@ -177,9 +177,23 @@ class Segment:
                 os.link(seg.path, path)  # (a rename would replace a segment already there)
             except FileExistsError as e:
                 raise IpcError(f"cannot create the segment {path}: {e.strerror}") from e
+            except BaseException:
+                # An interrupt raised as the link returns, the link made: the file would stay under the name,
+                # and every later create of this process's segment (its token is for life) fail.
+                seg._unlink_if_ours(path)
+                raise
             seg.path = path
             os.unlink(new)
         return seg
+
+    def _unlink_if_ours(self, path: str) -> None:
+        """Remove ``path`` if it names this segment's file (not another's made there meanwhile)."""
+        try:
+            here, ours = os.stat(path, follow_symlinks=False), os.fstat(self.fd)
+            if (here.st_dev, here.st_ino) == (ours.st_dev, ours.st_ino):
+                os.unlink(path)
+        except OSError:
+            pass
 
     @contextlib.contextmanager
     def _closed_on_failure(self, what: str, *, unlink: bool = False) -> Iterator[None]:

@@ -904,3 +904,22 @@ def test_an_interrupt_just_as_the_count_of_opens_takes_the_mutex_leaves_it_free(
         consumer.close()
         other.close()
         producer.close(unlink=True)
+
+
+def test_a_segment_set_up_interrupted_just_as_it_takes_its_name_leaves_no_file(token, monkeypatch):
+    # Ctrl-C that arrives during the link that gives the segment its name is raised at that call, once the link
+    # is made: the file stayed under the segment's name, unlocked, and the process (whose token is for life)
+    # could never make its segment again: every later export failed with "File exists".
+    real = os.link
+
+    def signalled_on_return(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        raise KeyboardInterrupt  # the handler of a signal that came during the call
+
+    monkeypatch.setattr(os, "link", signalled_on_return)
+    with pytest.raises(KeyboardInterrupt):
+        Segment.create(token)
+    monkeypatch.undo()
+    assert not os.path.exists(segment_path(token))
+    assert not os.path.exists(segment_path(token) + _segment._NEW)
+    Segment.create(token).close(unlink=True)  # the next export makes it as before
