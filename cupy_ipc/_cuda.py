@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import threading
 from typing import Any, Callable, NamedTuple, TypeVar
 
@@ -69,6 +70,9 @@ _HINTS = {
     "cudaErrorIllegalAddress": "a kernel touched memory it may not; the CUDA context is lost",
     "cudaErrorDevicesUnavailable": "the GPU is in a compute mode that admits one process only",
 }
+
+
+NOT_READY = 600  # cudaErrorNotReady: what a query of unfinished work returns
 
 
 def _cuda_error_name(exc: BaseException) -> str:
@@ -321,9 +325,17 @@ def checked_ordinal(device: Any) -> int:
     """``device`` (an ordinal or a ``cupy.cuda.Device``) as a visible ordinal.
 
     Raises:
+        TypeError: ``device`` is neither an integer nor a ``cupy.cuda.Device`` (a float, a string, a bool).
         IpcError: No such GPU in this process.
     """
-    ordinal = int(getattr(device, "id", device))
+    value = getattr(device, "id", device)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        ordinal = operator.index(value)  # ints and NumPy integers; not 0.9, which int() makes GPU 0
+    except TypeError:
+        raise TypeError(f"device must be a GPU ordinal (an integer) or a cupy.cuda.Device, not "
+                        f"{type(device).__name__}") from None
     if not 0 <= ordinal < device_count():
         raise IpcError(f"there is no GPU {ordinal} in this process ({device_count()} visible)")
     return ordinal

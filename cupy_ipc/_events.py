@@ -169,7 +169,13 @@ class IpcEvent:
     def query(self) -> bool:
         """True when the work captured by the last record has finished."""
         ptr = self.ptr  # first: it checks for a fork
-        return _cuda.call("querying an event", _cuda.rt().eventQuery, ptr) == 0
+        # CuPy's eventQuery returns the status, raising for none: an error is no "not finished yet".
+        status = _cuda.call("querying an event", _cuda.rt().eventQuery, ptr)
+        if status == 0:
+            return True
+        if status == _cuda.NOT_READY:
+            return False
+        raise _cuda._translated("querying an event", _cuda._runtime_error()(status))
 
     def get_ipc_handle(self) -> "IpcEventHandle":
         """The handle another process opens this event with."""

@@ -80,3 +80,34 @@ def test_an_event_creation_interrupted_once_the_driver_made_it_destroys_the_even
     assert destroyed == [EVENT]
     # The runtime's flags are cuda.h's: CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING (| CU_EVENT_BLOCKING_SYNC).
     assert given == [0x4 | 0x2 | (0x1 if block else 0)]
+
+
+# CuPy's runtime.eventQuery returns the CUDA status as it is and raises for none: query() read every error as "not
+# finished yet" (False), so that a caller polling it after a kernel fault (a sticky error) or on an event the
+# producer destroyed waited for ever, never told why.
+@pytest.mark.parametrize("status", [700, 400], ids=["cudaErrorIllegalAddress", "cudaErrorInvalidResourceHandle"])
+def test_an_event_query_that_cuda_fails_raises_rather_than_reads_not_finished(destroyed, libcuda, status):
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    from cupy_ipc import IpcError
+
+    def create(out, flags):
+        out._obj.value = EVENT
+        return 0
+
+    libcuda["cuEventCreate"] = create
+    runtime = _cuda.rt()
+    answers = {EVENT: 0}
+    runtime.eventQuery = lambda ev: answers[ev]
+    ev = IpcEvent()
+    try:
+        assert ev.query() is True
+        answers[EVENT] = 600  # cudaErrorNotReady: recorded work still running
+        assert ev.query() is False
+        answers[EVENT] = status
+        with pytest.raises(IpcError) as e:
+            ev.query()
+        assert e.value.cuda_error == CUDARuntimeError(status).__str__().split(":")[0]
+    finally:
+        ev.close()
+    assert destroyed == [EVENT]
