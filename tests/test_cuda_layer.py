@@ -126,3 +126,18 @@ def test_going_back_restores_the_previous_gpu_also_on_an_exception(monkeypatch):
         with _cuda.using_device(1):
             raise KeyError
     assert runtime.calls == [1, 0] and runtime.current == 0
+
+
+# open(device=...) and ShareableMemoryPool(device=...) took any value int() accepts: 0.9 opened on GPU 0 and 1.5 on
+# GPU 1 without a word, "1" and True on GPU 1; the library's other integer arguments refuse these (checked_count).
+@pytest.mark.parametrize("bad", [0.9, 1.5, "1", True])
+def test_a_gpu_ordinal_that_is_not_an_integer_is_refused(monkeypatch, bad):
+    import numpy as np
+
+    monkeypatch.setattr(_cuda, "device_count", lambda: 2)
+    with pytest.raises(TypeError, match="device"):
+        _cuda.checked_ordinal(bad)
+    assert _cuda.checked_ordinal(1) == _cuda.checked_ordinal(np.int64(1)) == 1
+    assert _cuda.checked_ordinal(types.SimpleNamespace(id=1)) == 1  # a cupy.cuda.Device
+    with pytest.raises(IpcError, match="there is no GPU 2"):
+        _cuda.checked_ordinal(2)
