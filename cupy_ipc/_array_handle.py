@@ -775,6 +775,18 @@ class IpcArrayHandle:
             return [fd]
         return list(self._fd or ())
 
+    def _served(self) -> bytes | None:
+        """The address of this process's descriptor server for this handle's memory, to send with its bytes to
+        the processes meant to open it (no ptrace permission needed then); ``None`` when it has no descriptors
+        to hand out.
+
+        Raises:
+            IpcError: The server could not be started (see :func:`_fdserver.serve`).
+        """
+        if self._f.kind in Kind.BY_DESCRIPTOR and self._descriptors():
+            return _fdserver.serve(_may_serve, self._f.resource)
+        return None
+
     def __del__(self) -> None:
         if getattr(self, "_fd", None):
             close_all(self._fd)
@@ -1104,6 +1116,12 @@ class IpcArrayHandle:
 
 
 _new = object.__new__
+def _may_serve(fds: list[int], resource: int) -> bool:
+    """Whether descriptors ``fds`` back the pool or the run of pieces this process exports as ``resource``: what
+    its descriptor server may hand out."""
+    return _pools.exports(fds, resource) or _vmm.exports(fds, resource)
+
+
 # The slots' own setters: a handle is made for every message, and object.__setattr__ costs twice as much.
 _setters = tuple(getattr(IpcArrayHandle, name).__set__ for name in ("_f", "_wire", "_opened", "_fd", "_server"))
 

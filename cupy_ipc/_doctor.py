@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from . import _cuda, _fdserver
+from . import _cuda
 from ._cuda import unavailable_reason
 from ._descriptors import _SCOPES, ptrace_scope
 
@@ -220,10 +220,7 @@ def _sent(kind: str, device: int, handle: Any) -> tuple[str, int, bytes, bytes |
     """A self-test message: the handle's bytes and, for memory shared by descriptor, the producer's descriptor
     server, as ``cupy_ipc.multiprocessing`` sends arrays (no ptrace permission needed: that one is reported
     on its own, under "ptrace")."""
-    from .multiprocessing import _exported
-
-    descriptors = getattr(handle, "_descriptors", lambda: [])()
-    return kind, device, handle.to_bytes(), _fdserver.serve(_exported, handle._f.resource) if descriptors else None
+    return kind, device, handle.to_bytes(), getattr(handle, "_served", lambda: None)()  # (an event's: none)
 
 
 def _ask(conn: Any, proc: Any, msg: Any) -> Any:

@@ -3,7 +3,10 @@
 :func:`all_gather` works over an ``mpi4py`` communicator or a
 ``torch.distributed`` process group (gloo or nccl). It takes two collectives:
 the handles (``comm.allgather``, or one ``torch.distributed.all_gather`` of
-fixed-size byte rows), and a reduction saying whether any rank failed to open
+fixed-size byte rows; for memory shared by descriptor, each with the address
+of its rank's descriptor server, as ``cupy_ipc.multiprocessing`` sends it:
+ranks are siblings, which Yama's ptrace rule keeps from ``pidfd_getfd`` on
+each other), and a reduction saying whether any rank failed to open
 them, so that a failure raises on every rank rather than leaving some
 waiting (the messages are gathered only then); the first call on a group
 takes one more, to learn which ranks share the host.
@@ -127,8 +130,34 @@ def _torch_distributed(group: Any) -> Any:
     return None
 
 
-_ROW = 1024  # bytes per rank in a handle gather: the length, then the handle (273 + 16 per dimension)
+_ROW = 1024  # bytes per rank in a handle gather: the length, then the payload (see _payload)
 _LENGTH = struct.Struct("<q")
+_WIRE = struct.Struct("<I")  # a payload's handle bytes (273 + 16 per dimension, + 16 per descriptor)
+
+
+def _payload(h: Any) -> bytes:
+    """What a rank gathers of its export ``h``: the handle's bytes, then, for memory shared by descriptor, the
+    address of this process's descriptor server, from which the peers take the descriptors over a Unix socket.
+    Without it they would take them with ``pidfd_getfd``, which Yama's ``ptrace_scope`` 1 (Ubuntu's default)
+    refuses between ranks, siblings under torchrun or mpirun."""
+    wire = h.to_bytes()
+    try:
+        server = h._served() or b""
+    except Exception:  # noqa: BLE001 - before the collective, which must not be skipped: the peers try pidfd_getfd
+        server = b""
+    return _WIRE.pack(len(wire)) + wire + server
+
+
+def _opened_handle(payload: bytes) -> IpcArrayHandle:
+    """The handle of a peer's payload (see :func:`_payload`), set to ask the peer's server for descriptors."""
+    if len(payload) < _WIRE.size:
+        raise IpcError(f"a peer's payload is {len(payload)} bytes, shorter than its header: not all_gather's")
+    (n,) = _WIRE.unpack_from(payload)
+    h = IpcArrayHandle.from_bytes(payload[_WIRE.size:_WIRE.size + n])
+    server = payload[_WIRE.size + n:]
+    if server:
+        h._ask_producer(server)
+    return h
 
 
 def _local_ranks(engine: _Engine) -> list[int]:
@@ -270,7 +299,7 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
     result = Gathered(rank, arrays, handles)  # filled in below
     gave_up = True  # until every rank has said that it succeeded (or the group itself failed under us)
     try:
-        everything = engine.handles(mine.to_bytes() if mine is not None else None)
+        everything = engine.handles(_payload(mine) if mine is not None else None)
         failed = error is not None
         if peers and device is None and not failed:
             try:
@@ -288,7 +317,7 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
                 failed = True
                 break
             try:
-                h = IpcArrayHandle.from_bytes(everything[r])
+                h = _opened_handle(everything[r])
                 arrays[r] = h.open(device=device, copy=copy)
                 handles.append(h)
             except Exception as e:  # reported to every rank below

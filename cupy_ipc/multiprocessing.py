@@ -89,14 +89,13 @@ from multiprocessing.queues import Queue as _PlainQueue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-from . import _fdserver, _fork, _pools, _sent, _vmm
+from . import _fork, _sent
 from ._args import checked_lease
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
 from ._events import IpcEvent, IpcEventHandle, export_event, open_event
 from ._identity import this_process
 from ._sent import set_exit_wait
-from ._wire import Kind
 
 __all__ = [*_mp.__all__, "init_reductions", "set_exit_wait", "set_message_lease"]  # noqa: PLE0604
 
@@ -461,17 +460,11 @@ def _reduce_ndarray(array: Any) -> tuple[Any, tuple[Any, ...]]:
     if exports is not None:
         exports.append(h)
     _sent.note(h._f.export_id)
-    if h._f.kind in Kind.BY_DESCRIPTOR and h._descriptors():
-        # Memory shared by descriptor: the receiver asks this process's descriptor server for them, over a
-        # Unix socket (no ptrace permission needed), only when it lacks them: a pool it imported before
-        # needs nothing more than these bytes.
-        return _rebuild_ndarray, (h.to_bytes(), _fdserver.serve(_exported, h._f.resource))
-    return _rebuild_ndarray, (h.to_bytes(),)
-
-
-def _exported(fds: list[int], resource: int) -> bool:
-    """Whether descriptors ``fds`` back the pool or the run of pieces this process exports as ``resource``."""
-    return _pools.exports(fds, resource) or _vmm.exports(fds, resource)
+    # Memory shared by descriptor: the receiver asks this process's descriptor server for them, over a Unix
+    # socket (no ptrace permission needed), only when it lacks them: a pool it imported before needs nothing
+    # more than these bytes.
+    server = h._served()
+    return _rebuild_ndarray, (h.to_bytes(), server) if server is not None else (h.to_bytes(),)
 
 
 def _rebuild_ndarray(data: bytes, server: bytes | None = None) -> Any:

@@ -16,6 +16,10 @@ rank's buffer. MODE changes what follows:
 - ``--rank-0-fails``: rank 0 asks for a GPU it does not have, so it cannot
   open its peers' arrays: every rank must raise ``IpcError`` naming rank 0,
   and no export may stay pinned.
+- ``--by-descriptor pool|vmm``: each buffer comes from a
+  ``ShareableMemoryPool`` or is virtual memory, and ``pidfd_getfd`` is
+  refused, as where ptrace rules keep sibling ranks from it: the peers must
+  take the descriptors from each rank's descriptor server.
 """
 
 from __future__ import annotations
@@ -66,7 +70,25 @@ def main() -> None:
         device = group.Split_type(MPI.COMM_TYPE_SHARED).Get_rank() % ngpu
         cupy.cuda.Device(device).use()
 
-    a = cupy.full(1 << 20, rank, dtype=cupy.int32)
+    kind = sys.argv[sys.argv.index("--by-descriptor") + 1] if "--by-descriptor" in sys.argv else None
+    if kind == "pool":
+        keep = cupy_ipc.ShareableMemoryPool()
+        allocator = keep.malloc
+    elif kind == "vmm":
+        from cupy_ipc import _vmm
+
+        allocator = _vmm.allocate
+    if kind is not None:
+        with cupy.cuda.using_allocator(allocator):
+            a = cupy.full(1 << 20, rank, dtype=cupy.int32)
+        from cupy_ipc import _descriptors
+
+        def refused(pid, fd):  # as under Yama's ptrace_scope 1, where sibling ranks may not take each other's
+            raise cupy_ipc.IpcError(f"pidfd_getfd on rank process {pid} refused: the descriptor server was not asked")
+
+        _descriptors.take_fd = refused
+    else:
+        a = cupy.full(1 << 20, rank, dtype=cupy.int32)
     if "--rank-0-fails" in sys.argv:
         try:
             cupy_ipc.all_gather(a, group, device=ngpu if rank == 0 else None)

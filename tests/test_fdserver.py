@@ -204,7 +204,7 @@ def _export_a_pool_and_virtual_memory(conn) -> None:
     """A new process's first exports, a pool and an allocation of virtual memory: sends the address that goes
     with an array of the pool, the pool's id, both descriptors' numbers; serves until told to exit."""
     from cupy_ipc import _cuda, _pools, _vmm
-    from cupy_ipc.multiprocessing import _exported
+    from cupy_ipc._array_handle import _may_serve as _exported
 
     pool, memory = _memfd(b"pool"), _memfd(b"virtual memory")
     driver = _Driver(pool, memory)
@@ -499,7 +499,7 @@ def test_a_child_forked_while_a_thread_sends_descriptors_can_close_its_own():
 def test_a_forked_child_hands_out_none_of_its_parents_exported_descriptors():
     # The parent's export tables name descriptors the child must not serve: it forgets them at fork.
     from cupy_ipc import _vmm
-    from cupy_ipc.multiprocessing import _exported
+    from cupy_ipc._array_handle import _may_serve as _exported
 
     r, w = os.pipe()
     fd = os.dup(r)

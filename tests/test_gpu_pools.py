@@ -345,3 +345,22 @@ def test_a_dropped_pool_gives_its_memory_and_its_descriptor_back():
     # A new pool (the driver may give it the old handle's value) exports and opens as usual.
     pool, b = _shareable()
     assert float(cupy_ipc.get_ipc_handle(b).open().sum()) == _expected_sum()
+
+
+@pytest.mark.parametrize("kind", ["pool", "vmm"])
+def test_all_gather_of_memory_shared_by_descriptor_needs_no_pidfd_getfd(kind):
+    # Ranks under torchrun are siblings, which Yama's ptrace_scope 1 keeps from pidfd_getfd on each other: the
+    # descriptors must come from each rank's server, whose address is gathered with its handle. Two ranks on one GPU.
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("PyTorch is not installed")
+    worker = pathlib.Path(__file__).parent / "dist_worker.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(worker), "torch", "gloo", "--by-descriptor", kind], capture_output=True, text=True,
+                       timeout=240)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "RANK 0 OK" in out and "RANK 1 OK" in out, out[-4000:]

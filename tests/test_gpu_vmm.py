@@ -150,7 +150,7 @@ def test_a_handle_whose_descriptor_number_went_to_other_memory_is_refused(remote
 
     import cupy_ipc
     from cupy_ipc import _fdserver
-    from cupy_ipc.multiprocessing import _exported
+    from cupy_ipc._array_handle import _may_serve as _exported
 
     from workers import vmm_array
 
@@ -184,7 +184,7 @@ def test_a_waiting_handle_of_several_pieces_is_served_however_many_runs_are_expo
 
     import cupy_ipc
     from cupy_ipc import _fdserver, _vmm
-    from cupy_ipc.multiprocessing import _exported
+    from cupy_ipc._array_handle import _may_serve as _exported
 
     from workers import vmm_array
 

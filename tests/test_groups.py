@@ -307,3 +307,96 @@ def test_a_failed_gather_whose_close_fails_still_releases_this_ranks_export(monk
     with pytest.raises(cupy_ipc.IpcError, match="could not unmap"):
         cupy_ipc.all_gather(np.arange(3), BrokenComm(0, ["here", "here"]))
     assert released == [True]
+
+
+class _VmmDriver:
+    """The driver calls that export an allocation of virtual memory, each allocation a memfd that stands for it:
+    the allocation handle at a base is the base, and its export a copy of that memfd."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUmemAllocationHandleType:
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+    def __init__(self, memory: dict) -> None:
+        self.memory = memory
+
+    def cuMemRetainAllocationHandle(self, base):  # noqa: N802 - the driver's names
+        return 0, base
+
+    def cuMemRelease(self, handle):  # noqa: N802
+        return (0,)
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle):  # noqa: N802
+        import types
+
+        return 0, types.SimpleNamespace(requestedHandleTypes=1)
+
+    def cuMemExportToShareableHandle(self, handle, kind, flags):  # noqa: N802
+        import os
+
+        return 0, os.dup(self.memory[handle])
+
+
+def test_ranks_take_a_peers_descriptors_from_its_server_not_with_pidfd_getfd(monkeypatch, libcuda):
+    # Virtual memory (PyTorch's expandable segments) and shareable pools reach a peer by descriptor. The ranks
+    # of a group are siblings (torchrun, mpirun), which Yama's ptrace_scope 1 (Ubuntu's and Debian's default)
+    # forbids to pidfd_getfd each other: the handles gathered as bytes alone made every rank fail, advising
+    # send_handle or cupy_ipc.multiprocessing, neither of which all_gather can use. Each rank's descriptor
+    # server must come with its handle, as cupy_ipc.multiprocessing sends it.
+    import os
+    import threading
+
+    from cupy_ipc import IpcArrayHandle, _groups, _vmm
+    from cupy_ipc._descriptors import close_all
+    from cupy_ipc._wire import Kind
+
+    for name in ("_exports", "_by_mapping", "_by_fd", "_kept"):
+        monkeypatch.setattr(_vmm, name, {})
+    bases = [0x7F0000000000, 0x7F0000200000]
+    memory = {}
+    for r, base in enumerate(bases):
+        memory[base] = os.memfd_create("cupy_ipc-test")
+        os.write(memory[base], f"rank {r}".encode())
+    monkeypatch.setattr(_vmm._cuda, "_driver", lambda: _VmmDriver(memory))
+    me = this_process()
+
+    def share(rank, consumers):  # get_ipc_handle's export of each rank's virtual memory
+        fd, alloc_id = _vmm.export(bases[rank], 5 + rank)
+        return IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=4096, shape=(1024,), strides=(4,),
+                              dtype="float32", device=(0, bytes(16)), producer=(me.pid, me.token, me.boot_id, me.host),
+                              kind=Kind.VMM, fd=fd, resource=alloc_id)
+
+    def open_(self, device=None, copy=False):  # the import's first step: the descriptors, else pidfd_getfd
+        fds = self._take_fds()
+        if fds is None:
+            raise cupy_ipc.IpcError("no descriptors came with the handle: pidfd_getfd, which ptrace rules refuse")
+        try:
+            return [os.pread(fd, 16, 0) for fd in fds]
+        finally:
+            close_all(fds)
+
+    monkeypatch.setattr(_groups, "get_ipc_handle", share)
+    monkeypatch.setattr(IpcArrayHandle, "open", open_)
+    shared = {"size": 2, "slots": [None, None], "barrier": threading.Barrier(2)}
+    got: list = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            with cupy_ipc.all_gather(r, ThreadsComm(r, shared), device=0) as bufs:
+                got[r] = list(bufs)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert got == [[0, [b"rank 1"]], [[b"rank 0"], 1]], got
+    finally:
+        close_all(fd for fd, _ in _vmm._exports.values())
+        close_all(memory.values())
