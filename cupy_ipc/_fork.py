@@ -21,8 +21,10 @@ _forked_after_cuda = False
 def cuda_initialized() -> bool:
     """True when this process has initialized the CUDA driver (``cuInit``).
 
-    Asks the driver without initializing it, and only when a CUDA library is
-    already loaded, so that it is cheap enough to run before every fork.
+    Asks the driver without initializing it, and only when a Python module that
+    initializes CUDA (CuPy, cuda-bindings, PyTorch, Numba's CUDA) has been
+    imported, so that it is cheap enough to run before every fork: CUDA
+    initialized only by another library (JAX, PyCUDA, ``ctypes``) is not seen.
 
     Example:
         >>> cuda_initialized() in (True, False)

@@ -52,10 +52,12 @@ was initialized cannot use CUDA, and cupy_ipc raises :class:`IpcError` there.
 Starting such a child (with ``fork``, whether chosen or the default) warns
 once; a process spawned, or forked before CUDA was initialized, does not.
 The sender's ordering event is recorded when the message is pickled, which
-for queues and pools happens on a background thread, on that thread's
-current stream: CUDA's default stream, which waits for the work of every
-blocking stream. Work queued on a ``non_blocking`` stream must be finished
-(or exported with ``get_ipc_handle(array, stream=s)``) before sending.
+for a ``Queue`` (or ``JoinableQueue``), a pool's tasks and an executor's
+calls happens on a background thread, on that thread's current stream:
+CUDA's default stream, which waits for the work of every blocking stream
+(``SimpleQueue.put``, ``send()`` and a pool worker's results pickle on the
+calling thread, on its current stream). Work queued on a ``non_blocking``
+stream must be finished (or exported with ``get_ipc_handle(array, stream=s)``) before sending.
 
 Workers of a spawned process are imported by name: define them in a module,
 not in ``__main__`` of a notebook, and import ``cupy_ipc.multiprocessing``
@@ -113,6 +115,12 @@ def __getattr__(name: str) -> Any:
             return importlib.import_module(f"multiprocessing.{name}")
         except ModuleNotFoundError:
             raise AttributeError(f"module 'cupy_ipc.multiprocessing' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    # What __getattr__ finds too (SUBDEBUG, SUBWARNING, the submodules imported so far), as dir() of the standard
+    # module lists them: for completion and introspection. Not its __path__ (see __getattr__).
+    return sorted(set(globals()) | {name for name in dir(_mp) if not name.startswith("__")})
 
 
 _warned_fork = False
@@ -396,12 +404,23 @@ def _loads(data: Any, /, *args: Any, **kwargs: Any) -> Any:
         kept = _in_message.unopened
         if kept is not None and kept[0] is sys._getframe():
             _in_message.unopened = None
+        del kept  # (this frame: kept in its own locals, a cycle that holds the message's buffer)
         raise
     kept = _in_message.unopened
     if kept is None or kept[0] is not sys._getframe():  # (one of an outer message, unpickled by a reducer)
         return message
     _in_message.unopened = None
-    return kept[1](message, kept[2])
+    # The error's traceback leads to this frame (the open that raised it was called from here), and the failed
+    # task holds the error: nothing of this frame may hold the message's buffer (a memoryview of the reader's
+    # BytesIO), or both end in a reference cycle, which the cycle collector of Python 3.12 frees in an order that
+    # crashes the process (bytesiobuf_releasebuffer), nor lead back to the error.
+    del data
+    failed, error = kept[1], kept[2]
+    del kept
+    try:
+        return failed(message, error)
+    finally:
+        del message, error
 
 
 def _fails_the_task(error: Exception) -> bool:

@@ -29,6 +29,15 @@ def test_every_name_of_the_standard_module_is_there():
     assert mp.reduction is multiprocessing.reduction  # and its submodules
 
 
+def test_dir_lists_every_name_of_the_standard_module():
+    # dir() (and so completion) missed what only __getattr__ finds: SUBDEBUG, SUBWARNING, the submodules.
+    import multiprocessing.pool  # noqa: F401 - a submodule the standard module lists once imported
+
+    missing = set(dir(multiprocessing)) - set(dir(mp)) - {"__path__"}
+    assert not missing, sorted(missing)
+    assert {"init_reductions", "set_exit_wait", "set_message_lease"} <= set(dir(mp))
+
+
 def test_registration_is_idempotent_and_only_for_multiprocessing():
     import cupy
 
@@ -674,3 +683,32 @@ def test_only_cudas_refusal_of_an_event_is_told_to_use_an_interprocess_one(monke
         mp._reduce_cupy_event(Event())
     told = "interprocess=True" in str(e.value)
     assert told == (cuda_error is not None), e.value
+
+
+def _reads_for_a_pool(conn):
+    return conn.recv()
+
+
+def test_a_failed_task_leaves_no_reference_cycle_through_its_message(monkeypatch):
+    # The error kept to fail the task stayed in _loads's locals, and its traceback holds that frame: a cycle
+    # through the message's buffer (a memoryview of a BytesIO), which Python 3.12.1's cycle collector freed in
+    # an order that crashed the process (bytesiobuf_releasebuffer) in a pool whose result could not be opened.
+    import weakref
+
+    monkeypatch.setitem(mp._POOL_READERS, _reads_for_a_pool.__code__, lambda message, error: ("failed", error))
+    here, there = multiprocessing.Pipe()
+    try:
+        there.send(mp_workers.Unopenable())
+        gc.collect()
+        gc.disable()
+        try:
+            failed, error = _reads_for_a_pool(here)
+            assert failed == "failed" and isinstance(error, cupy_ipc.HandleError)
+            gone = weakref.ref(error)
+            del error
+            assert gone() is None, "the error of a failed task is kept alive by a reference cycle"
+        finally:
+            gc.enable()
+    finally:
+        here.close()
+        there.close()
