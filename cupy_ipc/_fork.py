@@ -30,6 +30,8 @@ def cuda_initialized() -> bool:
         >>> cuda_initialized() in (True, False)
         True
     """
+    if _forked_after_cuda:  # inherited; and the driver's calls may crash or hang in such a child
+        return True
     if not any(m in sys.modules for m in ("cupy", "cuda.bindings.driver", "cuda.cuda", "torch", "numba.cuda")):
         return False
     try:
@@ -46,7 +48,7 @@ def cuda_initialized() -> bool:
 
 def _before_fork() -> None:
     global _parent_had_cuda
-    _parent_had_cuda = _forked_after_cuda or cuda_initialized()
+    _parent_had_cuda = cuda_initialized()
 
 
 def _after_fork_in_child() -> None:

@@ -712,3 +712,15 @@ def test_a_failed_task_leaves_no_reference_cycle_through_its_message(monkeypatch
     finally:
         here.close()
         there.close()
+
+
+def test_a_child_forked_after_cuda_asks_the_driver_nothing_before_its_own_fork(monkeypatch):
+    # The driver's calls may crash or hang in such a child: Process.start's fork check and the before-fork hook
+    # must tell from the library's own flag that CUDA was initialized (the child inherited it).
+    import cuda.bindings.driver as driver
+
+    asked = []
+    monkeypatch.setattr(driver, "cuCtxGetCurrent", lambda: asked.append(1) or (driver.CUresult.CUDA_SUCCESS, None))
+    monkeypatch.setattr(cupy_ipc._fork, "_forked_after_cuda", True)
+    assert cupy_ipc._fork.cuda_initialized()
+    assert asked == []
