@@ -443,12 +443,23 @@ def get_ipc_handle(
     else:  # no export part
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
         flags, export_id, slot, event = 0, 0, 0, _NO_HANDLE
-    fields = with_export(template, flags, export_id, slot, event)
-    if static is None:
-        wire = _first_wire(arr, array is arr, template, fields)
-    else:
-        wire = splice(export_parts(static), flags, export_id, slot, event)
-    return IpcArrayHandle._make(fields, wire)
+    try:
+        fields = with_export(template, flags, export_id, slot, event)
+        if static is None:
+            wire = _first_wire(arr, array is arr, template, fields)
+        else:
+            wire = splice(export_parts(static), flags, export_id, slot, event)
+        return IpcArrayHandle._make(fields, wire)
+    except BaseException:
+        _unpin_unsent(export_id)
+        raise
+
+
+def _unpin_unsent(export_id: int) -> None:
+    """Release the pin of an export interrupted (Ctrl-C) before its handle existed: no handle could release it,
+    nor any consumer open it, and without a lease it would last as long as the process."""
+    if export_id:
+        _keepalive.release(export_id)
 
 
 def _export_common(arr: Any, stream: Any) -> "IpcArrayHandle | None":
@@ -476,15 +487,19 @@ def _export_common(arr: Any, stream: Any) -> "IpcArrayHandle | None":
     memory_handle = _memory_handle(base, buffer_id)
     export_id, slot, event = _keepalive.pin(arr, (base, size, buffer_id), device, 1, None,
                                             _cuda.stream_ptr(stream), (shape, dtype))
-    if event is None:
-        flags, event = FLAG_KEEPALIVE, _NO_HANDLE
-    else:
-        flags = FLAG_KEEPALIVE | FLAG_EVENT
-    fields = ArrayFields(Kind.LEGACY, flags, dtype, memory_handle, offset, size, base, buffer_id, device_id,
-                         producer, export_id, slot, event, shape, strides)
-    wire = with_allocation(layout, flags, memory_handle, offset, size, base, buffer_id, export_id, slot, event)
-    _by_array.set(arr, [fields, wire, None])
-    return IpcArrayHandle._make(fields, wire)
+    try:
+        if event is None:
+            flags, event = FLAG_KEEPALIVE, _NO_HANDLE
+        else:
+            flags = FLAG_KEEPALIVE | FLAG_EVENT
+        fields = ArrayFields(Kind.LEGACY, flags, dtype, memory_handle, offset, size, base, buffer_id, device_id,
+                             producer, export_id, slot, event, shape, strides)
+        wire = with_allocation(layout, flags, memory_handle, offset, size, base, buffer_id, export_id, slot, event)
+        _by_array.set(arr, [fields, wire, None])
+        return IpcArrayHandle._make(fields, wire)
+    except BaseException:
+        _unpin_unsent(export_id)
+        raise
 
 
 def _first_wire(arr: Any, keep: bool, template: ArrayFields, fields: ArrayFields) -> bytes:
@@ -521,12 +536,16 @@ def _resend(arr: Any, lane: tuple[Any, ...]) -> "IpcArrayHandle | None":
     except _cuda._runtime_error() as e:
         raise _cuda._translated("exporting the array", e) from e
     export_id, slot, event = _keepalive.pin(arr, origin, device, 1, None, stream_ptr, description)
-    if event is None:
-        flags, event = FLAG_KEEPALIVE, _NO_HANDLE
-    else:
-        flags = FLAG_KEEPALIVE | FLAG_EVENT
-    return IpcArrayHandle._make(with_export(template, flags, export_id, slot, event),
-                                splice(parts, flags, export_id, slot, event))
+    try:
+        if event is None:
+            flags, event = FLAG_KEEPALIVE, _NO_HANDLE
+        else:
+            flags = FLAG_KEEPALIVE | FLAG_EVENT
+        return IpcArrayHandle._make(with_export(template, flags, export_id, slot, event),
+                                    splice(parts, flags, export_id, slot, event))
+    except BaseException:
+        _unpin_unsent(export_id)
+        raise
 
 
 class OpenInfo(NamedTuple):
@@ -1115,13 +1134,13 @@ class IpcArrayHandle:
         self.close()
 
 
-_new = object.__new__
 def _may_serve(fds: list[int], resource: int) -> bool:
     """Whether descriptors ``fds`` back the pool or the run of pieces this process exports as ``resource``: what
     its descriptor server may hand out."""
     return _pools.exports(fds, resource) or _vmm.exports(fds, resource)
 
 
+_new = object.__new__
 # The slots' own setters: a handle is made for every message, and object.__setattr__ costs twice as much.
 _setters = tuple(getattr(IpcArrayHandle, name).__set__ for name in ("_f", "_wire", "_opened", "_fd", "_server"))
 

@@ -518,3 +518,32 @@ def test_a_stream_of_another_gpu_than_the_one_opened_on_is_refused():
     assert float(h.open(stream=s, device=0).sum()) == 6.0
     h.close()
     h.release()
+
+
+@pytest.mark.parametrize("path", ["first", "general", "again"])
+def test_an_export_interrupted_before_its_handle_exists_leaves_nothing_pinned(monkeypatch, path):
+    # Ctrl-C once the memory is pinned but before the handle is made: no handle could release the pin, no
+    # consumer open it, and without a lease it stayed for the life of the process.
+    import cupy
+
+    import cupy_ipc
+    from cupy_ipc import IpcArrayHandle
+
+    a = cupy.ones(N, cupy.float32)
+    earlier = [cupy_ipc.get_ipc_handle(a) for _ in range(2 if path == "again" else 0)]  # the second makes its lane
+    for h in earlier:
+        h.release()
+    cupy_ipc.collect()
+    before = {p.export_id for p in cupy_ipc.pinned()}
+    def interrupted(cls, *args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(IpcArrayHandle, "_make", classmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        cupy_ipc.get_ipc_handle(a, lease=60.0) if path == "general" else cupy_ipc.get_ipc_handle(a)
+    monkeypatch.undo()
+    cupy_ipc.collect()
+    assert {p.export_id for p in cupy_ipc.pinned()} <= before
+    h = cupy_ipc.get_ipc_handle(a)  # and the array exports as before
+    assert h.keepalive and {p.export_id for p in cupy_ipc.pinned()} - before
+    h.release()
