@@ -408,6 +408,19 @@ def test_mapping_held_when_producer_dies(remote):
     assert consumer.call("read_first", _local_handle()) == 1
 
 
+def test_a_producer_killed_with_work_in_flight_stalls_only_the_stream_that_waits_for_it(remote):
+    # Killed before the work its ordering event captures has run, the producer never completes the event: the
+    # stream that open() made wait never proceeds (CUDA has no timeout for it). A consumer that opens on a
+    # stream of its own, and polls it, can tell, and its other streams and the library go on (README).
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    data = producer.call("export_after_spin", N, 4.0, True)  # the fill runs after 4 s of spinning
+    consumer.call("hold_on_own_stream", data, "x")
+    producer.kill()
+    assert consumer.call("own_stream_done_within", "x", 8.0) is False  # the producer would have been done by 4 s
+    assert consumer.call("read_first", _local_handle()) == 1.0
+
+
 @pytest.mark.parametrize("pool", [False, True], ids=["cudaMalloc-exited", "pool-killed"])
 def test_idle_mappings_of_a_producer_that_has_gone_are_unmapped_at_the_next_import(remote, pool):
     # A buffer sent twice stays mapped, idle, for its next message. Once its producer has gone nothing can

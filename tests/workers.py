@@ -328,6 +328,27 @@ def hold_and_send_on(data: bytes, name: str) -> bytes:
     return cupy_ipc.get_ipc_handle(_held[name]).to_bytes()
 
 
+def hold_on_own_stream(data: bytes, name: str) -> None:
+    """Open on a non-blocking stream of its own, which alone waits for the producer's event."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    _held[name] = (IpcArrayHandle.from_bytes(data).open(stream=s), s)
+
+
+def own_stream_done_within(name: str, seconds: float) -> bool:
+    """Whether the stream of :func:`hold_on_own_stream` finishes its wait within ``seconds`` (polled)."""
+    s = _held[name][1]
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if s.done:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def read_held(name: str) -> np.ndarray:
     import cupy
 
