@@ -419,6 +419,7 @@ def test_a_producer_killed_with_work_in_flight_stalls_only_the_stream_that_waits
     producer.kill()
     assert consumer.call("own_stream_done_within", "x", 8.0) is False  # the producer would have been done by 4 s
     assert consumer.call("read_first", _local_handle()) == 1.0
+    consumer.kill()  # asked to exit, it would not (README): 20 s of the fixture's wait saved
 
 
 @pytest.mark.parametrize("pool", [False, True], ids=["cudaMalloc-exited", "pool-killed"])
