@@ -94,5 +94,8 @@ def warn_quietly(message: str) -> None:
 
     try:
         warnings.warn(f"cupy_ipc {message}", RuntimeWarning, stacklevel=3)
-    except Exception:  # noqa: BLE001 - the filter's error: the caller goes on
-        print(f"cupy_ipc {message}", file=sys.stderr)
+    except Exception:  # noqa: BLE001 - the filter's error, or a closed stderr's: the caller goes on
+        try:
+            print(f"cupy_ipc {message}", file=sys.stderr)
+        except Exception:  # noqa: BLE001, S110 - stderr closed or gone: nowhere left to say it
+            pass

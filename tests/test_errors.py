@@ -124,3 +124,23 @@ def test_without_cuda_bindings_the_driver_says_what_to_install(monkeypatch):
             _cuda._driver()
     finally:
         _cuda._driver.cache_clear()
+
+
+@pytest.mark.parametrize("flags", [[], ["-W", "error"]], ids=["warnings", "warnings-as-errors"])
+def test_a_quiet_warning_with_stderr_closed_does_not_raise(flags):
+    # The library's threads warn this way: raised there, the error would end the thread, and with it every
+    # release it serves. A closed stderr (a daemon's, a notebook's torn-down one) made writes raise ValueError.
+    # (In a process of its own: pytest's capture of warnings would not write to stderr.)
+    import subprocess
+
+    code = """
+import io, sys
+from cupy_ipc._errors import warn_quietly
+closed = io.StringIO()
+closed.close()
+sys.stderr = closed
+warn_quietly("could not do something")
+print("went on")
+"""
+    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "went on\n", (r.stdout, r.stderr)
