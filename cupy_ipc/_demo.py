@@ -120,7 +120,13 @@ def run_demo() -> int:
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_consumer, args=(child,), daemon=True)
-    _timed("start a consumer process (spawn)", proc.start, rows)
+    try:
+        _timed("start a consumer process (spawn)", proc.start, rows)
+    except Exception as e:  # out of processes or memory, say
+        conn.close()
+        child.close()
+        print(f"cupy_ipc demo failed: could not start a consumer process: {e}", file=sys.stderr)
+        return 1
     child.close()  # ours: a consumer that dies then ends our wait at once (EOF), not after its time-out
     try:
         _warm_kernels()

@@ -20,6 +20,24 @@ def test_demo_without_a_gpu_says_so_in_one_line():
     assert len(lines) == 1 and lines[0].startswith("cupy_ipc demo: no GPU to run on:"), r.stderr
 
 
+def test_a_demo_that_cannot_start_its_consumer_says_so_in_one_line(monkeypatch, capsys):
+    # Out of processes (EAGAIN) or memory: a traceback before, the demo's one line of failure now.
+    import multiprocessing.context
+
+    from cupy_ipc import _demo
+
+    def refused(self):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(_demo, "unavailable_reason", lambda: None)  # as far as the demo can tell, a GPU
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", refused)
+    assert _demo.run_demo() == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert out.err.strip().splitlines() == [
+        "cupy_ipc demo failed: could not start a consumer process: [Errno 11] Resource temporarily unavailable"]
+
+
 def test_unknown_command_is_a_usage_error():
     r = subprocess.run([sys.executable, "-m", "cupy_ipc", "frobnicate"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
