@@ -132,11 +132,11 @@ def _warn_if_forked_after_cuda(process: Any) -> None:
     is fine, whatever the default start method."""
     global _warned_fork
     default = _mp.get_start_method(allow_none=True) or _mp.get_all_start_methods()[0]
-    method = getattr(process, "_start_method", None) or default  # (None: the default context's Process)
-    if method != "fork" or not _fork.cuda_initialized():
+    chosen = getattr(process, "_start_method", None)  # (None: the default context's Process)
+    if (chosen or default) != "fork" or not _fork.cuda_initialized():
         return
     _warned_fork = True
-    text = (f"{process.name} is started with 'fork'{' (the default start method)' if default == 'fork' else ''} "
+    text = (f"{process.name} is started with 'fork'{'' if chosen else ' (the default start method)'} "
             "after this process initialized CUDA: a forked child cannot use CUDA, and the GPU arrays sent to it "
             "raise IpcError there; use get_context('spawn') or get_context('forkserver'), or call "
             "set_start_method('spawn') once at start-up")

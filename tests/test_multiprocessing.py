@@ -104,6 +104,7 @@ def _fork_warnings(recwarn) -> list[str]:
 @pytest.mark.parametrize("default,chosen,cuda,warns", [
     ("fork", None, True, "default"),  # the default context's Process, the default being fork
     ("spawn", "fork", True, "chosen"),
+    ("fork", "fork", True, "chosen"),  # chosen: not "the default" in the warning, though it is the default too
     ("fork", "fork", False, None),  # forked before CUDA: the child can use CUDA
     ("fork", "spawn", True, None),  # a spawn context, whatever the default
     ("fork", "forkserver", True, None),
