@@ -359,6 +359,12 @@ class Segment:
             # so it does not wait. In the try: an interrupt just after it must not leave it held.
             fcntl.fcntl(self.fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(READ, os.SEEK_SET, held, 1, 0))
             seen, _, state = _RECORD.unpack_from(mm, at)  # type: ignore[arg-type]
+            if seen == export_id and state & STATE == PINNED:
+                # The id read again, after the state: the record is read a field at a time, and a read
+                # preempted between the two could pair this export's id with the state the producer wrote for
+                # the next export of the slot, once it saw no lock here and freed the slot (see try_free). A pin
+                # writes the id before the state: a state read PINNED since is followed by another id.
+                seen = _RECORD.unpack_from(mm, at)[0]  # type: ignore[arg-type]
         except BaseException:
             self.unlock(held)  # (not held by this process before: the caller's rule)
             raise

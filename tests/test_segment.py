@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import secrets
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -923,3 +924,51 @@ def test_a_segment_set_up_interrupted_just_as_it_takes_its_name_leaves_no_file(t
     assert not os.path.exists(segment_path(token))
     assert not os.path.exists(segment_path(token) + _segment._NEW)
     Segment.create(token).close(unlink=True)  # the next export makes it as before
+
+
+class _RecordReadPreempted:
+    """``_segment._RECORD``, read field by field in the order ``struct`` reads them, with the reading thread
+    "preempted" once after the export id: there ``while_preempted`` runs. Writes, and the other reads, pass."""
+
+    def __init__(self, real, view, while_preempted):
+        self.real, self.view, self.while_preempted = real, view, while_preempted
+        self.size = real.size
+
+    def unpack_from(self, buf, offset=0):
+        if buf is not self.view() or self.while_preempted is None:
+            return self.real.unpack_from(buf, offset)
+        (export_id,) = struct.unpack_from("<Q", buf, offset)
+        run, self.while_preempted = self.while_preempted, None
+        run()
+        opens, state = struct.unpack_from("<II", buf, offset + 8)
+        return export_id, opens, state
+
+    def pack_into(self, *args):
+        self.real.pack_into(*args)
+
+
+def test_a_hold_preempted_while_its_slot_is_freed_and_reused_is_refused(token, monkeypatch):
+    # ABA: the producer has seen no lock (its try_free's check) when the consumer takes its lock and reads the
+    # slot's record; the consumer is preempted between the record's export id (still the old one) and its
+    # state, while the producer frees the slot and pins a new export there. The consumer must not come away
+    # holding the old export, which the producer has let go, nor the new one's slot, whose opens it would count.
+    producer = Segment.create(token)
+    consumer = Segment.attach(token, pid=os.getpid())
+    try:
+        producer.write(3, 7, PINNED)
+        producer.write_state(3, REVOKED)  # try_free's first step,
+        assert not producer.held_by_other(in_use(3))  # and its check: no consumer holds the slot
+
+        def free_and_reuse():
+            producer.write(3, 0, FREE)  # try_free's last step (its record write)
+            producer.write(3, 8, PINNED)  # the next pin takes the slot
+
+        monkeypatch.setattr(_segment, "_RECORD",
+                            _RecordReadPreempted(_segment._RECORD, lambda: consumer.mm, free_and_reuse))
+        held = consumer.hold(3, 7)
+        monkeypatch.undo()
+        assert not held, "holds export 7, which its producer freed, in the slot of export 8"
+        assert not producer.held_by_other(in_use(3))
+    finally:
+        consumer.close()
+        producer.close(unlink=True)
