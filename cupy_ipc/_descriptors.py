@@ -23,7 +23,7 @@ from typing import Any, Iterable
 from ._errors import IpcError, ProducerExitedError
 
 __all__ = ["allow_ptrace_from_any", "close_all", "close_quietly", "dup_all", "not_inherited", "ptrace_scope",
-           "recv_fds", "recv_handle", "send_handle", "take_fd"]
+           "recv_fds", "recv_handle", "send_fds", "send_handle", "take_fd"]
 
 _SYS_PIDFD_GETFD = 438  # the same number on every architecture Linux has
 _PR_SET_PTRACER = 0x59616D61
@@ -31,6 +31,9 @@ _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _HEAD = struct.Struct("<II")  # handle bytes, descriptors
 _FDS_PER_MESSAGE = 253  # SCM_MAX_FD
 _CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+# Every send: a peer that has gone raises EPIPE, never SIGPIPE, which kills a process that left it at its
+# default (as command-line tools do, and programs that embed Python).
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 
 
 def close_quietly(fd: int) -> None:
@@ -189,12 +192,19 @@ def allow_ptrace_from_any() -> None:
                        "without Yama the kernel's default rule already lets the same user take descriptors)")
 
 
+# Room for the other control messages the kernel may add to each message received: the sender's credentials
+# (SCM_CREDENTIALS, on a socket with SO_PASSCRED), its security context (SCM_SECURITY, SO_PASSSEC) or pidfd
+# (SCM_PIDFD, SO_PASSPIDFD). Without it, they took the place of the last descriptors, which the kernel dropped.
+_OTHER_CONTROL = socket.CMSG_SPACE(1024)
+
+
 def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
     """``(data, descriptors, message flags)`` of one message, as :func:`socket.recv_fds` gives them, but with
     the descriptors closed on exec, as ``pidfd_getfd``'s are: a program this process runs must not keep the
     producer's memory alive. (Python 3.11's ``socket.recv_fds`` ignores its ``flags`` argument.)"""
     fds = array.array("i")
-    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize), _CLOEXEC)
+    data, ancdata, flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * fds.itemsize) + _OTHER_CONTROL,
+                                           _CLOEXEC)
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
@@ -227,13 +237,18 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
     fds = _fdserver.copies(handle._descriptors) if hasattr(handle, "_descriptors") else []
     try:
         message = _HEAD.pack(len(data), len(fds)) + data
-        sent = socket.send_fds(sock, [message], fds[:_FDS_PER_MESSAGE])
+        sent = send_fds(sock, message, fds[:_FDS_PER_MESSAGE])
         if sent < len(message):  # a socket with a time-out, or interrupted, takes part of what does not fit
-            sock.sendall(message[sent:])
+            sock.sendall(message[sent:], _NOSIGNAL)
         for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # the kernel passes at most 253 per message
-            socket.send_fds(sock, [b"+"], fds[k:k + _FDS_PER_MESSAGE])
+            send_fds(sock, b"+", fds[k:k + _FDS_PER_MESSAGE])
     finally:
         close_all(fds)
+
+
+def send_fds(sock: socket.socket, data: bytes, fds: list[int]) -> int:
+    """``socket.send_fds`` with ``MSG_NOSIGNAL`` (which Python 3.11's ``send_fds`` would not pass on)."""
+    return sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], _NOSIGNAL)
 
 
 def _check_count(fds: list[int], announced: int) -> None:
@@ -250,6 +265,9 @@ def _check_socket(sock: Any, what: str) -> None:
         raise IpcError(f"{what} needs an AF_UNIX socket, not {sock.family!r}")
     if sock.type != socket.SOCK_STREAM:  # a message socket drops what a read leaves of a message
         raise IpcError(f"{what} needs a SOCK_STREAM socket, not {sock.type!r}")
+    if sock.gettimeout() == 0.0:  # gives up part-way through a handle: the next call takes the rest for its own
+        raise IpcError(f"{what} needs a blocking socket (or one with a time-out), not a non-blocking one: a handle "
+                       "comes in several parts, and one cut short would leave the rest to be read as the next")
 
 
 def recv_handle(sock: socket.socket) -> Any:

@@ -120,6 +120,33 @@ def test_many_descriptors_cross_in_several_messages():
             os.close(fd)
 
 
+def test_a_full_message_of_descriptors_arrives_on_a_socket_that_passes_credentials():
+    # With SO_PASSCRED set, the kernel adds the sender's credentials to every message received: they took the
+    # room of the last descriptors of a message of 253, which the kernel then dropped, and recv_handle said
+    # this process was at its open-file limit.
+    pieces = 253
+    one = _memfd(b"piece")
+    fds = [os.dup(one) for _ in range(pieces)]
+    h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=64 * pieces, shape=(16,), strides=(4,),
+                       dtype="float32", device=(0, bytes(16)), producer=(os.getpid(), b"t" * 16, b"b" * 16, "h"),
+                       kind=Kind.VMM, fd=fds[0], resource=1, more=[(fd, 64) for fd in fds[1:]])
+    a, b = socket.socketpair()
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    try:
+        h._adopt_descriptors([os.dup(fd) for fd in fds])
+        cupy_ipc.send_handle(a, h)
+        received = cupy_ipc.recv_handle(b)._take_fds()
+        assert len(received) == pieces and _read(received[-1]) == b"piece"
+        for fd in received:
+            os.close(fd)
+    finally:
+        h.close()
+        a.close()
+        b.close()
+        for fd in [one, *fds]:
+            os.close(fd)
+
+
 class _Driver:
     """The CUDA driver calls that export a pool and an allocation of virtual memory, each export a copy of a
     memfd that stands for the memory."""
@@ -210,6 +237,36 @@ def test_send_handle_refuses_other_sockets_and_recv_reports_a_closed_peer():
         cupy_ipc.recv_handle(b)
 
 
+@pytest.mark.parametrize("with_descriptor", [True, False], ids=["pool", "legacy"])
+def test_send_handle_to_a_peer_that_has_gone_raises_rather_than_kill_the_sender(with_descriptor):
+    # send_handle wrote without MSG_NOSIGNAL: a process that keeps SIGPIPE's default action (command-line tools,
+    # programs that embed Python) was killed by a peer that had closed its end, instead of seeing EPIPE.
+    import signal
+
+    fd = _memfd(b"pool")
+    a, b = socket.socketpair()
+    b.close()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            h = _pool_handle(fd)
+            if with_descriptor:
+                h._adopt_descriptors([os.dup(fd)])
+            try:
+                cupy_ipc.send_handle(a, h)
+            except BrokenPipeError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    a.close()
+    os.close(fd)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
+        f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}")
+
+
 @pytest.mark.parametrize("kind", [socket.SOCK_SEQPACKET, socket.SOCK_DGRAM], ids=["seqpacket", "dgram"])
 def test_message_sockets_are_refused_rather_than_left_waiting(kind):
     # A read of the header alone drops the rest of a message: recv_handle waited for ever for the handle.
@@ -221,6 +278,36 @@ def test_message_sockets_are_refused_rather_than_left_waiting(kind):
         with pytest.raises(IpcError, match="SOCK_STREAM"):
             cupy_ipc.recv_handle(b)
         assert b.recv(100) == b"message"  # left as it was
+
+
+def test_non_blocking_sockets_are_refused_rather_than_left_part_way_through_a_handle():
+    # A handle may arrive in parts (a large one, or one of more than 253 descriptors): recv_handle on a
+    # non-blocking socket read the head and what had come, raised BlockingIOError and dropped them, and the
+    # next call read the rest of that handle as a new head. send_handle likewise could leave half a handle.
+    import select
+
+    from cupy_ipc._descriptors import _HEAD
+
+    fd = _memfd(b"pool")
+    h = _pool_handle(fd)
+    data = h.to_bytes()
+    message = _HEAD.pack(len(data), 1) + data
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        socket.send_fds(a, [message[:20]], [fd])  # the first part of a handle
+        select.select([b], [], [], 10)
+        with pytest.raises(IpcError, match="non-blocking"):
+            cupy_ipc.recv_handle(b)
+        a.sendall(message[20:])
+        b.setblocking(True)
+        got = cupy_ipc.recv_handle(b)  # left whole
+        assert got == h
+        got.close()
+        a.setblocking(False)
+        with pytest.raises(IpcError, match="non-blocking"):
+            cupy_ipc.send_handle(a, h)
+    os.close(fd)
 
 
 def test_two_threads_closing_a_received_handle_close_its_descriptor_once(monkeypatch):
