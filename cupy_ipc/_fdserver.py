@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import array
 import atexit
 import errno
 import hmac
@@ -44,7 +43,7 @@ import threading
 import time
 from typing import Callable
 
-from ._descriptors import close_all, dup_all, recv_fds
+from ._descriptors import close_all, dup_all, recv_fds, send_fds
 from ._errors import IpcError, ProducerExitedError, warn_quietly
 from ._identity import this_process
 from ._wire import MAX_DESCRIPTORS
@@ -178,9 +177,16 @@ def served() -> int:
     return _served[0]
 
 
-def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, or ``b""`` if the connection ended first; ``TimeoutError`` once ``deadline`` (a
+    ``time.monotonic()``) has passed: a time-out for each read alone would let a client that sends a byte at a
+    time hold the connection's thread for ever."""
     data = b""
     while len(data) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(errno.ETIMEDOUT, "a request did not arrive whole in time")
+        conn.settimeout(left)
         chunk = conn.recv(n - len(data))
         if not chunk:
             return b""
@@ -200,19 +206,30 @@ def _answer(conn: socket.socket, secret: bytes) -> None:
 
 
 def _serve_requests(conn: socket.socket, secret: bytes) -> None:
-    # Time-outs (an OSError) close a connection that sends no request at first, or none for a long time: any
-    # process of this user may connect, and each connection holds a thread here.
-    conn.settimeout(_FIRST_S)
+    # Time-outs (an OSError) close a connection that sends no whole request at first, or none for a long time:
+    # any process of this user may connect, and each connection holds a thread here. A request comes in one
+    # write: the first must arrive whole within _FIRST_S of the connection, a later one within _FIRST_S of its
+    # first byte (its key is checked only once it has all come, so any client could otherwise hold the thread
+    # for the idle time-out, or for ever by sending a byte now and then).
+    deadline: float | None = time.monotonic() + _FIRST_S
     while True:
         try:
-            head = _recv_exactly(conn, _REQUEST.size)
-            if not head:
+            head = b""
+            if deadline is None:  # between requests
+                conn.settimeout(_IDLE_S)
+                head = conn.recv(1)
+                if not head:
+                    return
+                deadline = time.monotonic() + _FIRST_S
+            head += _recv_exactly(conn, _REQUEST.size - len(head), deadline)
+            if len(head) != _REQUEST.size:
                 return
-            conn.settimeout(_IDLE_S)
             presented, n, resource = _REQUEST.unpack(head)
             if not 0 < n <= _MAX:
                 return
-            numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n)))
+            numbers = list(struct.unpack(f"<{n}i", _recv_exactly(conn, 4 * n, deadline)))
+            deadline = None
+            conn.settimeout(_IDLE_S)  # for the answer
             if not hmac.compare_digest(presented, _key(secret, resource)):  # not sent that memory: refused, no more
                 conn.sendall(_COUNT.pack(0), _NOSIGNAL)
                 return
@@ -225,7 +242,7 @@ def _serve_requests(conn: socket.socket, secret: bytes) -> None:
                     conn.setblocking(False)
                     for k in range(0, n, _PER_MESSAGE):
                         part = numbers[k:k + _PER_MESSAGE]
-                        _send_fds(conn, _COUNT.pack(len(part)), part)
+                        send_fds(conn, _COUNT.pack(len(part)), part)
                     conn.settimeout(_IDLE_S)
             if sent:
                 _count(n)
@@ -233,11 +250,6 @@ def _serve_requests(conn: socket.socket, secret: bytes) -> None:
                 conn.sendall(_COUNT.pack(0), _NOSIGNAL)
         except (OSError, struct.error):  # the consumer went away, sent garbage, or nothing in time
             return
-
-
-def _send_fds(conn: socket.socket, data: bytes, fds: list[int]) -> None:
-    """``socket.send_fds`` with ``MSG_NOSIGNAL`` (which Python 3.11's ``send_fds`` would not pass on)."""
-    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], _NOSIGNAL)
 
 
 def _checked_allowed(numbers: list[int], resource: int) -> bool:

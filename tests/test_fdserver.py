@@ -265,6 +265,44 @@ def test_connections_that_send_nothing_or_a_wrong_secret_or_are_too_many_are_clo
             s.close()
 
 
+def test_a_request_that_does_not_arrive_whole_in_time_is_closed(monkeypatch):
+    # The key is checked only once a whole request has come: a client without it that sent a request's head
+    # alone held the connection's thread for the idle time-out (300 s) rather than the first request's
+    # (5 s), and one that sent a byte now and then held it for ever; 1024 of them left no consumer served.
+    from cupy_ipc import _fdserver
+
+    monkeypatch.setattr(_fdserver, "_FIRST_S", 0.3)
+    fd = _memfd(b"served")
+    address = serve(lambda fds, _: fds == [fd])
+    head_only = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    trickle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        head_only.connect(address[:-16])
+        head_only.sendall(_fdserver._REQUEST.pack(bytes(16), 4, 0))  # four numbers announced, none sent
+        assert _ended_by_server(head_only, 3.0)
+        trickle.connect(address[:-16])
+        trickle.settimeout(0.1)
+        start, ended = time.monotonic(), False
+        for byte in _fdserver._REQUEST.pack(bytes(16), 4, 0):  # a byte every 0.1 s: each read's wait is short
+            try:
+                trickle.sendall(bytes([byte]), socket.MSG_NOSIGNAL)
+                ended = trickle.recv(1) == b""
+            except TimeoutError:
+                pass
+            except OSError:
+                ended = True
+            if ended:
+                break
+        assert ended and time.monotonic() - start < 2.0, time.monotonic() - start
+        (got,) = fetch(address, os.getpid(), [fd])  # and the server still serves
+        assert _read(got) == b"served"
+        os.close(got)
+    finally:
+        head_only.close()
+        trickle.close()
+        os.close(fd)
+
+
 def test_a_consumer_that_leaves_its_answers_unread_holds_up_no_one():
     # The server sends descriptors holding the lock that every request's check and send and every close of an
     # exported descriptor take: it must drop a consumer whose answers fill its socket rather than wait for it
