@@ -212,7 +212,11 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, lis
 
 
 def send_handle(sock: socket.socket, handle: Any) -> None:
-    """Send an :class:`IpcArrayHandle` (or event handle) over an ``AF_UNIX`` socket, descriptors included.
+    """Send an :class:`IpcArrayHandle` (or event handle) over an ``AF_UNIX`` stream socket, descriptors included.
+
+    The socket blocks, or has a time-out: a non-blocking one is refused
+    (:class:`IpcError`), since a handle cut short would leave its rest to be
+    read as the next one.
 
     The descriptors behind memory shared by descriptor travel as
     ``SCM_RIGHTS``, so the receiver needs no ptrace permission. Handles of
