@@ -7,7 +7,15 @@ import numbers
 import operator
 from typing import Any
 
-__all__ = ["checked_count", "checked_lease", "checked_wait"]
+__all__ = ["checked_count", "checked_lease", "checked_wait", "shown"]
+
+
+def shown(value: Any) -> Any:
+    """``value`` for a message: an integer too long to print whole by its sign and size (past 4300 digits, str()
+    raises ValueError instead of giving the text, and thousands of digits say nothing)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"{'-' if value < 0 else ''}(an integer of {value.bit_length()} bits)"
+    return value
 
 
 def checked_count(value: Any, what: str, minimum: int, maximum: int | None = None) -> int:
@@ -28,9 +36,9 @@ def checked_count(value: Any, what: str, minimum: int, maximum: int | None = Non
     except TypeError:
         raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
     if n < minimum:
-        raise ValueError(f"{what} must be at least {minimum}, not {n}")
+        raise ValueError(f"{what} must be at least {minimum}, not {shown(n)}")
     if maximum is not None and n > maximum:
-        raise ValueError(f"{what} must be at most {maximum}, not {n}")
+        raise ValueError(f"{what} must be at most {maximum}, not {shown(n)}")
     return n
 
 
@@ -72,7 +80,7 @@ def _seconds(value: Any, not_a_number: str, out_of_range: str, positive: bool) -
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{not_a_number}, not {type(value).__name__}")
     if not (value > 0 if positive else value >= 0):  # NaN too
-        raise ValueError(f"{out_of_range}, not {value}")
+        raise ValueError(f"{out_of_range}, not {shown(value)}")
     try:
         return float(value)
     except OverflowError:  # an integer past the largest float: longer than any wait, as inf is

@@ -234,6 +234,11 @@ class IpcEventHandle:
 
     __slots__ = ("_f",)
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # Without it, IpcEventHandle() made a handle with no fields, unvalidated, that raised AttributeError on use.
+        raise TypeError("an IpcEventHandle is made by IpcEvent.get_ipc_handle() or IpcEventHandle.from_bytes(), "
+                        "not called")
+
     @classmethod
     def _make(cls, fields: EventFields) -> "IpcEventHandle":
         h = cls.__new__(cls)

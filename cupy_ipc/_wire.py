@@ -18,6 +18,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
+from ._args import shown
 from ._errors import HandleError
 from ._identity import Producer
 
@@ -227,7 +228,7 @@ def _reach(shape: tuple[int, ...], strides: tuple[int, ...], align: int) -> tupl
 
 def _in_range(what: str, value: int, bounds: tuple[int, int]) -> None:
     if not bounds[0] <= value < bounds[1]:
-        raise HandleError(f"{what} {value} does not fit the wire format's field")
+        raise HandleError(f"{what} {shown(value)} does not fit the wire format's field")
 
 
 def validate_origin(device: DeviceId, producer: Producer) -> None:
@@ -282,7 +283,7 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
     element, what the checks of another allocation of the same layout need (``None`` for an empty one).
     """
     if f.kind not in Kind.names:
-        raise HandleError(f"unknown memory kind {f.kind}")
+        raise HandleError(f"unknown memory kind {shown(f.kind)}")
     if f.flags & ~_FLAGS:
         raise HandleError(f"unknown flag bits 0x{f.flags & ~_FLAGS:x}")
     shape, strides = f.shape, f.strides

@@ -689,6 +689,31 @@ def test_integers_that_do_not_fit_the_wire(change):
     rejected("does not fit the wire format", IpcArrayHandle, **{**kwargs, **change})
 
 
+# Integers too long for str() (Python refuses past 4300 digits): once the refusal's own message raised a plain
+# ValueError about integer string conversion, naming no field.
+HUGE = 10**5000
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(offset=HUGE), "offset"),
+    (dict(allocation_size=HUGE), "allocation size"),
+    (dict(shape=(HUGE, 2)), "extent"),
+    (dict(shape=(-HUGE, 2)), "extent"),
+    (dict(strides=(-HUGE, 4)), "stride"),
+    (dict(device=(HUGE, UUID)), "device ordinal"),
+    (dict(producer=(-HUGE, TOKEN, BOOT_ID, "h")), "producer pid"),
+    (dict(kind=HUGE), "unknown memory kind"),
+    (dict(fd=HUGE), "descriptor"),
+    (dict(resource=HUGE), "resource id"),
+    (dict(kind="vmm", fd=3, resource=1, more=[(3, HUGE)]), "piece size"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_integers_too_long_to_print_are_refused_by_name(change, field):
+    kwargs = dict(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=32, shape=(4, 2), strides=(8, 4),
+                  dtype="float32", device=(0, UUID), producer=PRODUCER)
+    error = rejected(field, IpcArrayHandle, **{**kwargs, **change})
+    assert "16610 bits" in str(error) and len(str(error)) < 200
+
+
 def test_host_that_is_not_utf8_on_the_wire():
     """Decoding with replacement characters would change the bytes on the next to_bytes()."""
     start, _ = fields_of("host")
@@ -1070,6 +1095,23 @@ def test_the_idle_mapping_limit_is_a_count(limit, error):
         cupy_ipc.set_idle_mapping_limit(limit)
     old = cupy_ipc.set_idle_mapping_limit(np.int64(4))  # unchanged by the refusals above
     assert cupy_ipc.set_idle_mapping_limit(old) == 4
+
+
+@pytest.mark.parametrize("name, args, kwargs, match", [
+    ("get_ipc_handle", (object(),), dict(consumers=10**5000), "consumers must be at most"),
+    ("get_ipc_handle", (object(),), dict(consumers=-(10**5000)), "consumers must be at least"),
+    ("get_ipc_handle", (object(),), dict(lease=-(10**5000)), "lease must be a positive number"),
+    ("set_idle_mapping_limit", (-(10**5000),), {}, "the idle mapping limit must be at least"),
+    ("checked_wait", (-(10**5000), "the exit wait"), {}, "the exit wait must be zero"),
+], ids=["consumers", "negative consumers", "lease", "idle mapping limit", "wait"])
+def test_an_argument_too_long_to_print_is_refused_by_name(name, args, kwargs, match):
+    # Past 4300 digits str() of an integer raises ValueError: once the refusal's message did, naming no argument.
+    import cupy_ipc
+    from cupy_ipc import _args
+
+    with pytest.raises(ValueError, match=match) as info:
+        getattr(_args if name.startswith("checked") else cupy_ipc, name)(*args, **kwargs)
+    assert "16610 bits" in str(info.value) and len(str(info.value)) < 200
 
 
 # --- bounded work for any input ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import pickle
 import struct
@@ -465,6 +466,16 @@ def test_event_handle_is_immutable(name):
         setattr(e, name, getattr(e, name, 0))
     assert e.to_bytes() == before
     assert not hasattr(e, "__dict__")
+
+
+@pytest.mark.parametrize("args", [(), (EVENT_HANDLE,)])
+def test_an_event_handle_is_made_only_by_from_bytes_or_an_event(args):
+    # IpcEventHandle() once made a handle with no fields: unvalidated, and its repr, hash, == and pickling raised
+    # AttributeError.
+    with pytest.raises(TypeError, match="from_bytes"):
+        IpcEventHandle(*args)
+    e = make_event()
+    assert copy.copy(e) == copy.deepcopy(e) == e == pickle.loads(pickle.dumps(e))
 
 
 # --- event handles -------------------------------------------------------------------------------
