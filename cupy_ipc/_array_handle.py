@@ -869,7 +869,7 @@ class IpcArrayHandle:
     def __repr__(self) -> str:
         p = self._f.producer
         return (f"<IpcArrayHandle shape={self._f.shape} dtype={self._f.dtype} "
-                f"device={self._f.device.ordinal} producer=pid {p.pid}@{p.host}>")
+                f"device={self._f.device.ordinal} producer={p.where()}>")
 
     # --- opening ------------------------------------------------------------------
     def open(self, *, stream: Any = None, device: int | None = None, copy: bool = False) -> Any:

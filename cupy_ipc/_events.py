@@ -327,7 +327,7 @@ class IpcEventHandle:
 
     def __repr__(self) -> str:
         p = self._f.producer
-        return f"<IpcEventHandle device={self._f.device.ordinal} producer=pid {p.pid}@{p.host}>"
+        return f"<IpcEventHandle device={self._f.device.ordinal} producer={p.where()}>"
 
 
 def open_event(event_handle: bytes, device: int, out: ctypes.c_void_p, what: str) -> None:

@@ -32,6 +32,17 @@ class Producer(NamedTuple):
     boot_id: bytes
     host: str
 
+    def where(self) -> str:
+        """``pid N@host`` for a message or a repr; a host name that is not plain text (it comes from the wire,
+        and a forged handle could fake a log line with it) quoted with its escapes.
+
+        Example:
+            >>> print(Producer(7, bytes(16), bytes(16), "gpu\\nx").where())
+            pid 7@'gpu\\nx'
+        """
+        host = self.host if self.host.isprintable() else repr(self.host)
+        return f"pid {self.pid}@{host}"
+
 
 def _read_boot_id() -> bytes:
     try:

@@ -409,6 +409,13 @@ def test_repr_of_0d_and_empty():
     assert "shape=(3, 0)" in repr(make((3, 0), kind=Kind.EMPTY))
 
 
+@pytest.mark.parametrize("host", ["gpu\nFAKE LOG LINE", "\x1b[2Jx", "tab\there"])
+def test_a_host_name_that_is_not_plain_text_is_shown_escaped(host):
+    # The host comes from the wire: a forged handle's repr, logged, must stay on one line and print no escapes.
+    for text in (repr(make(producer=(5, TOKEN, BOOT_ID, host))), repr(make_event(producer=(5, TOKEN, BOOT_ID, host)))):
+        assert text.isprintable() and repr(host) in text, text
+
+
 def test_event_repr():
     text = repr(make_event(device=(5, UUID), producer=(31337, TOKEN, BOOT_ID, "node-9")))
     assert text.startswith("<IpcEventHandle ") and text.endswith(">")
