@@ -435,6 +435,7 @@ class ShareableMemoryPool:
 
     def malloc(self, size: int) -> Any:
         """Allocate ``size`` bytes on the current GPU and stream (``cupy.cuda.set_allocator(pool.malloc)``)."""
+        _fork.check()  # a forked child's CUDA calls would crash or hang (CuPy's allocator makes them)
         return self._allocator.malloc(size)
 
     def _attribute(self, name: str) -> int:

@@ -69,7 +69,7 @@ def test_a_forked_child_dropping_an_inherited_block_makes_no_cuda_call():
         pools.pools = {}
 
 
-@pytest.mark.parametrize("call", ["create", "used_bytes", "total_bytes", "free_all_blocks"])
+@pytest.mark.parametrize("call", ["create", "malloc", "used_bytes", "total_bytes", "free_all_blocks"])
 def test_the_pool_raises_the_fork_error_in_a_child_forked_after_cuda(monkeypatch, call):
     monkeypatch.setattr(_fork, "_forked_after_cuda", True)
     if call == "create":
@@ -79,9 +79,11 @@ def test_the_pool_raises_the_fork_error_in_a_child_forked_after_cuda(monkeypatch
     pool = object.__new__(_pools.ShareableMemoryPool)  # as inherited from the parent
     pool._pools = _pools._DriverPools(types.SimpleNamespace())
     pool._pools.pools[0] = 0x9001
+    # CuPy's allocator asks the runtime for the current GPU, then calls the pool's allocation (cudaMallocFromPoolAsync)
+    pool._allocator = types.SimpleNamespace(malloc=lambda size: pytest.fail("a CUDA call in the forked child"))
     monkeypatch.setattr(_pools._cuda, "rt", lambda: pytest.fail("a CUDA call in the forked child"))
     try:
         with pytest.raises(IpcError, match="forked after its parent initialized CUDA"):
-            getattr(pool, call)()
+            getattr(pool, call)(*((64,) if call == "malloc" else ()))
     finally:
         pool._pools.pools = {}
