@@ -94,8 +94,11 @@ def _start_method() -> dict[str, Any]:
     return {"default": default, "available": multiprocessing.get_all_start_methods()}
 
 
+# The package's directory goes with it: the doctor's interpreter may have found cupy_ipc on a path of its own
+# (a notebook's sys.path.insert), which a new interpreter lacks.
 _PIDFD_PROBE = """
 import errno, sys
+sys.path.append(sys.argv[2])
 from cupy_ipc._descriptors import pidfd_getfd_errno
 code = pidfd_getfd_errno(int(sys.argv[1]), 0)
 print("allowed 0" if code == 0 else ("unavailable" if code in (errno.ENOSYS, -1) else "refused"), max(code, 0))
@@ -108,7 +111,8 @@ def _ptrace() -> dict[str, Any]:
     # The child asks for a descriptor of its parent: the relation of a consumer
     # to a producer it did not start, which ptrace_scope 1 refuses.
     try:
-        out = subprocess.run([sys.executable, "-c", _PIDFD_PROBE, str(os.getpid())], capture_output=True,
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this cupy_ipc is
+        out = subprocess.run([sys.executable, "-c", _PIDFD_PROBE, str(os.getpid()), root], capture_output=True,
                              text=True, timeout=30).stdout.split()
         state, code = out[0], int(out[1])
     except (OSError, subprocess.SubprocessError, IndexError, ValueError):
@@ -279,9 +283,10 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
     """
     result: dict[str, Any] = {**mode, "round_trip_us": {}}
     ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_self_test_consumer, args=(child,), daemon=True)
+    conn = child = proc = None
     try:
+        conn, child = ctx.Pipe()  # (at the open-file limit, this fails: reported as the rest is)
+        proc = ctx.Process(target=_self_test_consumer, args=(child,), daemon=True)
         proc.start()
         child.close()  # so that a consumer that dies ends our waits
         for d in devices:
@@ -295,7 +300,11 @@ def _self_test(devices: list[int], mode: dict[str, Any], allocator: Any = None) 
         result["remedy"] = _REMEDIES.get(
             name, "run `python -m cupy_ipc demo` to see the failing step; check the items above")
     finally:
-        _stop(conn, child, proc)
+        if proc is not None:
+            _stop(conn, child, proc)
+        elif conn is not None:
+            conn.close()
+            child.close()
     return result
 
 

@@ -258,3 +258,42 @@ def test_self_tests_run_again_and_again_leave_no_process_and_no_open_file(consum
         assert not works or result["round_trip_us"] == {"0": 0.0}
         assert works or "did not answer within 0.2 s" in result["detail"]
         assert (open_fds(), _children()) == before
+
+
+def test_the_ptrace_probe_finds_the_package_where_the_doctor_found_it(tmp_path):
+    # A notebook that put a checkout of cupy_ipc on sys.path itself: the probe, a fresh interpreter, could not
+    # import the package, printed nothing, and the report said pidfd_getfd was "unavailable" -- on a host where
+    # it is allowed, and on one where Yama refuses it (no "pidfd_getfd refused" problem then).
+    from cupy_ipc import _doctor
+
+    expected = _doctor._ptrace()["pidfd_getfd"]
+    base = getattr(sys, "_base_executable", sys.executable)
+    if base == sys.executable or expected == "unavailable":
+        pytest.skip("needs an interpreter outside this virtual environment, and pidfd_getfd")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(_doctor.__file__)))
+    code = (f"import sys; sys.path.insert(0, {root!r}); from cupy_ipc._doctor import _ptrace; "
+            "print(_ptrace()['pidfd_getfd'])")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([base, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    if r.returncode != 0:
+        pytest.skip(f"the base interpreter cannot import cupy_ipc's dependencies: {r.stderr[-300:]}")
+    assert r.stdout.split() == [expected], r.stderr
+
+
+def test_a_self_test_whose_pipe_cannot_be_made_is_reported_not_raised(monkeypatch):
+    # At the open-file limit (what the doctor is there to explain) the self-test's pipe could not be made, outside
+    # the self-test's error handling: the doctor ended in a traceback, with no report and, with --json, no JSON.
+    import errno as errno_
+
+    from cupy_ipc import _doctor
+
+    class Spawn:
+        def Pipe(self):  # noqa: N802 - multiprocessing's name
+            raise OSError(errno_.EMFILE, "Too many open files")
+
+        def Process(self, *args, **kwargs):  # noqa: N802
+            pytest.fail("no process without its pipe")
+
+    monkeypatch.setattr(_doctor.multiprocessing, "get_context", lambda method: Spawn())
+    result = _doctor._self_test([0], _doctor._LEGACY)
+    assert result["works"] is False and "Too many open files" in result["detail"] and result["remedy"]
