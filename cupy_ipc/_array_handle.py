@@ -12,10 +12,10 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from . import _cuda, _fdserver, _fork, _keepalive, _mapping, _pools, _segment, _vmm
+from . import _cuda, _fdserver, _fork, _gates, _keepalive, _mapping, _pools, _segment, _vmm
 from ._args import checked_count, checked_lease
 from ._descriptors import close_all
-from ._errors import HandleError, IpcError
+from ._errors import HandleError, IpcError, ProducerExitedError
 from ._events import check_same_host, open_cached
 from ._identity import Producer, this_process
 from ._wire import (
@@ -632,8 +632,11 @@ def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
         try:
             if f.flags & FLAG_EVENT:
                 ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it
-                if runtime.eventQuery(ev._ptr) != 0:  # a finished event needs no wait, and the GPU-side wait is slow
-                    runtime.streamWaitEvent(stream.ptr, ev._ptr, 0)
+                status = runtime.eventQuery(ev._ptr)  # a finished event needs no wait: the GPU-side wait is slow
+                if status == _cuda.NOT_READY:  # a wait that the producer's death must not leave stuck
+                    _gates.wait(ev, stream.ptr, device, seg, producer.pid, lease)
+                elif status:
+                    runtime.streamWaitEvent(stream.ptr, ev._ptr, 0)  # (as before: the error shows there)
             mem = UnownedMemory(ptr, f.allocation_size, lease, device)
             arr = ndarray(f.shape, f.dtype, MemoryPointer(mem, f.offset), f.strides)
             _mapping.opened(lease)
@@ -878,7 +881,10 @@ class IpcArrayHandle:
         The consumer's ``stream`` (default: the current one of the GPU the
         array opens on) waits on the producer's event on the GPU. Queue the
         work that uses the array on that stream (or after it): its completion
-        is what releases the producer's memory once the array is gone.
+        is what releases the producer's memory once the array is gone. If the
+        producer is killed before that event's work has run, the stream is
+        released all the same, with a ``RuntimeWarning``, and :meth:`close`
+        raises :class:`ProducerExitedError`: the values may be incomplete.
 
         In the exporting process this returns a view of the producer's own
         memory without any CUDA IPC call, and so it does in a process that
@@ -1068,7 +1074,11 @@ class IpcArrayHandle:
                 else:
                     ev = open_cached(f.event_handle, home, producer)
                     if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                        ev.wait_from(stream_obj.ptr, stream_device)
+                        if stream_device == ev.device:  # a wait that the producer's death must not leave stuck
+                            with _cuda.using_device(stream_device):
+                                _gates.wait(ev, stream_obj.ptr, stream_device, seg, producer.pid, lease)
+                        else:  # a stream of another GPU cannot wait for it (see IpcEvent.wait): on the host
+                            _gates.host_wait(ev, seg, producer.pid)
             mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
             arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
             if count:
@@ -1085,17 +1095,24 @@ class IpcArrayHandle:
         Memory is unmapped when the last array or view using it is freed. If
         views other than the returned array outlive this call, a
         ``ResourceWarning`` says how many.
+
+        Raises:
+            ProducerExitedError: The producer exited before the work that the
+                open waited for had run: the values read may be incomplete
+                (the handle is closed all the same).
         """
         if self._fd is not None:  # the imports hold their own copies
             _fdserver.retire(list(self._swap_fds(None) or ()))
         opened = self._opened[:]
         self._opened.clear()
         outliving = 0
+        incomplete = None
         while opened:
             arr = opened.pop()
             if arr.size == 0:
                 continue
             mem = arr.data.mem
+            incomplete = incomplete or _gates.incomplete(getattr(mem, "_owner", None))
             ref = weakref.ref(arr)
             del arr
             a = ref()
@@ -1115,6 +1132,9 @@ class IpcArrayHandle:
                 ResourceWarning,
                 stacklevel=2,
             )
+        if incomplete is not None:
+            pid, reason = incomplete
+            raise ProducerExitedError(f"the array read through this handle may be incomplete: {reason}", pid=pid)
 
     def release(self) -> None:
         """Producer side: stop new opens and let the memory go once current consumers are done.

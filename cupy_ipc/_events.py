@@ -9,8 +9,8 @@ import threading
 import weakref
 from typing import Any
 
-from . import _cuda, _fork, _segment
-from ._errors import ClosedError, HandleError, IpcError, warn_quietly
+from . import _cuda, _fork, _gates, _segment
+from ._errors import ClosedError, HandleError, IpcError, ProducerExitedError, warn_quietly
 from ._identity import Producer, this_process
 from ._wire import DeviceId, EventFields, pack_event, unpack_event
 
@@ -145,6 +145,11 @@ class IpcEvent:
         An event opened from another process can be waited on by streams of
         its own GPU only (measured: a stream of another GPU waiting on it ends
         the process). For such a stream this waits on the host instead.
+
+        A stream that waits for an event opened from a handle is released if
+        the producer is killed before the event's work has run (which then
+        never completes), with a ``RuntimeWarning``; a wait on the host raises
+        :class:`ProducerExitedError` then, as does a wait that starts after it.
         """
         _fork.check()  # before asking CUDA for the stream's device
         ptr = _cuda.stream_ptr(stream)
@@ -156,15 +161,39 @@ class IpcEvent:
         ptr = self.ptr  # first: it checks for a fork
         runtime = _cuda.rt()
         if self._opened and stream_device != self._device:
-            _cuda.call("synchronizing an event", runtime.eventSynchronize, ptr)
+            self.synchronize()
             return
+        producer = self._producer()
         with _cuda.using_device(stream_device):
-            _cuda.call("waiting on an event", runtime.streamWaitEvent, stream_ptr, ptr, 0)
+            if producer is None:
+                _cuda.call("waiting on an event", runtime.streamWaitEvent, stream_ptr, ptr, 0)
+            elif not self.query():  # (a wait that the producer's death must not leave stuck)
+                try:
+                    seg = _segment.attach(producer.token, producer.pid)
+                except ProducerExitedError:
+                    if self.query():  # its work finished just before it exited
+                        return
+                    raise
+                _gates.wait(self, stream_ptr, stream_device, seg, producer.pid, None)
 
     def synchronize(self) -> None:
-        """Block the host until the work captured by the last record has finished."""
+        """Block the host until the work captured by the last record has finished.
+
+        Raises:
+            ProducerExitedError: The event was opened from a handle, and its
+                producer exited before the event's work had run.
+        """
         ptr = self.ptr  # first: it checks for a fork
-        _cuda.call("synchronizing an event", _cuda.rt().eventSynchronize, ptr)
+        producer = self._producer()
+        if producer is None:
+            _cuda.call("synchronizing an event", _cuda.rt().eventSynchronize, ptr)
+        else:  # polled: a killed producer's event never completes
+            with _cuda.using_device(self._device):
+                _gates.host_wait(self, _segment.attach(producer.token, producer.pid), producer.pid)
+
+    def _producer(self) -> "Producer | None":
+        """The process an event opened from a handle came from (``None`` for one created here)."""
+        return self._handle.producer if self._opened and self._handle is not None else None
 
     def query(self) -> bool:
         """True when the work captured by the last record has finished."""

@@ -595,7 +595,7 @@ class Lease:
     """
 
     __slots__ = ("keep", "mapping_key", "claim_key", "stream", "device", "ptr", "memory_handle",
-                 "allocation_size", "imported", "memory_device", "opener")
+                 "allocation_size", "imported", "memory_device", "opener", "incomplete", "__weakref__")
 
     def __init__(self, keep: Any, mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None,
                  stream: Any, device: int, mapping: _Mapping, memory_handle: bytes, allocation_size: int,
@@ -610,6 +610,7 @@ class Lease:
         self.allocation_size = allocation_size
         self.memory_device = memory_device  # the GPU holding the memory, which may differ from the mapping's
         self.opener = _threads.mark()  # whose per-thread default stream ``stream`` is, if it is one
+        self.incomplete: tuple[int, str] | None = None  # (pid, why) once its producer exited before its work ran
         self.mapping_key = mapping_key  # last: a lease interrupted before it was made is let go by acquire alone
 
     def __del__(self, _exiting: list[bool] = _exiting) -> None:

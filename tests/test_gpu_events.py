@@ -51,6 +51,35 @@ def test_event_orders_work_across_processes(consumer, wait):
         assert (out == 0).all()
 
 
+@pytest.mark.parametrize("how", ["wait", "wait-now", "synchronize"])
+def test_a_wait_for_a_killed_producers_event_ends(remote, how):
+    # Killed before its event's work has run, the producer never completes the event: a stream made to wait on
+    # it before is released with a warning; a stream made to wait after, or a wait on the host, raises
+    # ProducerExitedError.
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    consumer.call("hold_event", producer.call("event_after_spin", 4.0), "ev", how)
+    producer.kill()
+    out = consumer.call("wait_on_held_event", "ev", how, timeout=3.0)  # the producer would have been done by 4 s
+    if how == "wait":
+        assert out["error"] is None
+        assert any(f"pid {producer.pid}" in w and "incomplete" in w for w in out["warnings"]), out["warnings"]
+    else:
+        assert out["error"] == ("ProducerExitedError", producer.pid)
+    consumer.close()
+    assert consumer.proc.exitcode == 0
+
+
+@pytest.mark.parametrize("how", ["wait", "wait-now", "synchronize"])
+def test_a_wait_for_a_live_producers_event_ends_when_its_work_is_done(remote, how):
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    consumer.call("hold_event", producer.call("event_after_spin", 1.0), "ev", how)
+    out = consumer.call("wait_on_held_event", "ev", how, timeout=30)
+    assert out["error"] is None and out["warnings"] == []
+    assert 0.3 < out["took"] < 5  # it waited for the kernel, and not for ever
+
+
 def test_opened_event_is_destroyed_once(consumer):
     import cupy_ipc
 

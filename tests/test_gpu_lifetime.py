@@ -39,6 +39,16 @@ def test_consumer_sees_values_written_after_a_long_kernel(remote, sync):
         assert (out == 0).all()
 
 
+def test_a_kernel_loaded_after_an_open_that_waits_runs_once_the_producer_is_done(remote):
+    # The open's stream waits for a word that a thread of the library sets; a first launch, which with lazy
+    # loading may wait for the whole GPU while it holds the caller's thread, must not stop that thread.
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    data = producer.call("export_after_spin", N, 2.0, True)
+    out = consumer.call("open_then_first_launch", data, timeout=30)
+    assert out == {"gated": 1, "value": 8.0}
+
+
 def test_an_export_on_the_legacy_stream_waits_for_a_blocking_streams_work(remote):
     """The legacy default stream waits for the blocking streams: so must its consumer (a queue's feeder thread
     exports on it). Its query counts their work: an event is recorded."""
@@ -408,18 +418,41 @@ def test_mapping_held_when_producer_dies(remote):
     assert consumer.call("read_first", _local_handle()) == 1
 
 
-def test_a_producer_killed_with_work_in_flight_stalls_only_the_stream_that_waits_for_it(remote):
-    # Killed before the work its ordering event captures has run, the producer never completes the event: the
-    # stream that open() made wait never proceeds (CUDA has no timeout for it). A consumer that opens on a
-    # stream of its own, and polls it, can tell, and its other streams and the library go on (README).
+def test_a_producer_killed_with_work_in_flight_releases_the_consumer_with_an_error(remote):
+    # Killed before the work its ordering event captures has run, the producer never completes the event, and a
+    # stream made to wait on that event would wait for ever (CUDA has no timeout): the consumer's read, its other
+    # work on that stream and its exit with it. The library's wait is released once the producer is seen gone:
+    # the read returns (values incomplete: the fill never ran), a warning says so, and close() raises.
     producer, consumer = remote(), remote()
     consumer.call("warm_up")
     data = producer.call("export_after_spin", N, 4.0, True)  # the fill runs after 4 s of spinning
-    consumer.call("hold_on_own_stream", data, "x")
+    consumer.call("hold_open", data, "x")  # on the default stream, which everything after it waits for
+    killed = time.monotonic()
     producer.kill()
-    assert consumer.call("own_stream_done_within", "x", 8.0) is False  # the producer would have been done by 4 s
+    out = consumer.call("read_then_close", "x", timeout=3.0)  # the producer would have been done by 4 s
+    print(f"the read returned {time.monotonic() - killed:.3f} s after the kill (itself {out['took']:.3f} s)")
+    assert out["value"] == 0.0  # zeros, synchronized before the spin: the fill never ran
+    assert out["error"] is not None and out["error"][:2] == ("ProducerExitedError", producer.pid), out
+    assert "incomplete" in out["error"][2]
+    assert any(f"pid {producer.pid}" in w and "incomplete" in w for w in out["warnings"]), out["warnings"]
     assert consumer.call("read_first", _local_handle()) == 1.0
-    consumer.kill()  # asked to exit, it would not (README): 20 s of the fixture's wait saved
+    t0 = time.monotonic()
+    consumer.close()
+    assert consumer.proc.exitcode == 0 and time.monotonic() - t0 < 10
+
+
+def test_without_the_release_a_killed_producers_wait_stays_stuck(remote):
+    # The negative control of the test above: an open that makes its stream wait on the producer's event itself,
+    # as raw CUDA IPC does, never returns from the read.
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    consumer.call("without_gates")
+    data = producer.call("export_after_spin", N, 4.0, True)
+    consumer.call("hold_open", data, "x")
+    producer.kill()
+    with pytest.raises(TimeoutError):
+        consumer.call("read_then_close", "x", timeout=6.0)
+    consumer.kill()  # asked to exit, it would not: 20 s of the fixture's wait saved
 
 
 @pytest.mark.parametrize("pool", [False, True], ids=["cudaMalloc-exited", "pool-killed"])

@@ -328,25 +328,118 @@ def hold_and_send_on(data: bytes, name: str) -> bytes:
     return cupy_ipc.get_ipc_handle(_held[name]).to_bytes()
 
 
-def hold_on_own_stream(data: bytes, name: str) -> None:
-    """Open on a non-blocking stream of its own, which alone waits for the producer's event."""
-    import cupy
+def hold_open(data: bytes, name: str) -> None:
+    """Open on the current stream, keeping the handle and its array for :func:`read_then_close`."""
+    import warnings
 
     from cupy_ipc import IpcArrayHandle
 
+    recording = warnings.catch_warnings(record=True)  # from now: the library's thread may warn at any time
+    caught = recording.__enter__()
+    warnings.simplefilter("always")
+    handle = IpcArrayHandle.from_bytes(data)
+    _held[name] = (handle, handle.open(), recording, caught)
+
+
+def read_then_close(name: str) -> dict:
+    """Read the first element of a :func:`hold_open` array, then close its handle: the value, the seconds the read
+    took, the close's error (type, pid, message) and the warnings given since the open."""
+    handle, arr, recording, caught = _held.pop(name)
+    out: dict[str, Any] = {"error": None}
+    try:
+        t0 = time.monotonic()
+        out["value"] = float(arr[0])
+        out["took"] = time.monotonic() - t0
+        del arr
+        try:
+            handle.close()
+        except Exception as e:  # noqa: BLE001 - the outcome is the point
+            out["error"] = (type(e).__name__, getattr(e, "pid", None), str(e))
+    finally:
+        recording.__exit__(None, None, None)
+    out["warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def open_then_first_launch(data: bytes) -> dict:
+    """Open (its stream made to wait for the producer's work), then load and launch a kernel never loaded here
+    before, which adds 1 to the array: with lazy loading, a first launch may wait for the whole GPU, the stream
+    held by the open included. How many waits the library held after the open, and the first value."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, _gates
+
+    source = 'extern "C" __global__ void add_one_%d(float* a) { a[threadIdx.x] += 1.0f; }' % os.getpid()
+    kernel = cupy.RawKernel(source, f"add_one_{os.getpid()}")
+    with IpcArrayHandle.from_bytes(data) as arr:
+        out = {"gated": _gates.pending()}
+        kernel((1,), (32,), (arr,))
+        out["value"] = float(arr[0])
+    return out
+
+
+def hold_event(data: bytes, name: str, how: str) -> None:
+    """Open an event from its handle, recording the warnings given from now, for :func:`wait_on_held_event`;
+    ``how`` ``"wait"``: a stream of its own waits for it now."""
+    import warnings
+
+    import cupy
+
+    from cupy_ipc import IpcEventHandle
+
+    recording = warnings.catch_warnings(record=True)
+    caught = recording.__enter__()
+    warnings.simplefilter("always")
+    ev = IpcEventHandle.from_bytes(data).open()
     s = cupy.cuda.Stream(non_blocking=True)
-    _held[name] = (IpcArrayHandle.from_bytes(data).open(stream=s), s)
+    if how == "wait":
+        ev.wait(s)
+    _held[name] = (ev, s, recording, caught)
 
 
-def own_stream_done_within(name: str, seconds: float) -> bool:
-    """Whether the stream of :func:`hold_on_own_stream` finishes its wait within ``seconds`` (polled)."""
-    s = _held[name][1]
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if s.done:
-            return True
-        time.sleep(0.01)
-    return False
+def wait_on_held_event(name: str, how: str) -> dict:
+    """Wait for a :func:`hold_event` event: ``"wait"``, the stream that waits for it since then, on the host;
+    ``"wait-now"``, a stream made to wait now, on the host; ``"synchronize"``, the event on the host. The
+    seconds it took, its error (type, pid) and the warnings given since the open."""
+    ev, s, recording, caught = _held.pop(name)
+    out: dict[str, Any] = {"error": None}
+    t0 = time.monotonic()
+    try:
+        if how == "synchronize":
+            ev.synchronize()
+        else:
+            if how == "wait-now":
+                ev.wait(s)
+            s.synchronize()
+    except Exception as e:  # noqa: BLE001 - the outcome is the point
+        out["error"] = (type(e).__name__, getattr(e, "pid", None))
+    finally:
+        recording.__exit__(None, None, None)
+    out["took"] = time.monotonic() - t0
+    out["warnings"] = [str(w.message) for w in caught]
+    return out
+
+
+def event_after_spin(seconds: float) -> bytes:
+    """An interprocess event recorded after a kernel of ``seconds``; its handle."""
+    import cupy
+
+    import cupy_ipc
+
+    warm_up()
+    s = cupy.cuda.Stream(non_blocking=True)
+    ev = cupy_ipc.IpcEvent()
+    spin(seconds, s)
+    ev.record(s)
+    _held["event"] = (ev, s)
+    return ev.get_ipc_handle().to_bytes()
+
+
+def without_gates() -> None:
+    """Make opens wait on the producer's event itself, as CUDA IPC does by hand (a negative control)."""
+    from cupy_ipc import _gates
+
+    _gates._unsupported = True
 
 
 def read_held(name: str) -> np.ndarray:

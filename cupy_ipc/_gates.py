@@ -1,0 +1,267 @@
+"""Ordering waits that a producer's death cannot leave stuck.
+
+:meth:`IpcArrayHandle.open` makes the consumer's stream wait for the
+producer's ordering event. A stream made to wait on another process's event
+itself (``cudaStreamWaitEvent``) waits for ever if that process is killed
+before the event's work has run: the event is never completed, CUDA has no
+timeout, and a record of the same event by the consumer does not release the
+wait (both measured on an H200). Every device-wide wait of the consumer
+after that (a ``cudaFree``, a mapping's close, its exit) hung with it.
+
+So an open whose event has not completed yet (and :meth:`IpcEvent.wait` on
+an event opened from a handle) makes its stream wait on a word of pinned
+host memory instead (``cuStreamWaitValue32``), and a thread of the library's
+polls the event and sets the word once the event has completed, or once it
+sees the producer gone. In that case the stream goes on, the open's arrays
+marked incomplete first (their handle's ``close()`` raises
+:class:`ProducerExitedError`), and a warning says so at once. A wait on the
+host for such an event (:func:`host_wait`) polls it too, and raises once the
+producer is gone.
+
+Each word serves one wait at a time, each wait for a value the word has
+not held before (its count goes up), so a word is free again as soon as it is
+set.
+
+Example:
+    >>> [poll_interval(age) for age in (0.0005, 0.01, 1.0)]
+    [2e-05, 0.0002, 0.002]
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from . import _cuda, _segment
+from ._errors import ProducerExitedError, warn_quietly
+
+__all__ = ["host_wait", "incomplete", "pending", "poll_interval", "wait"]
+
+_WORDS = 4096  # waits at once; past that, opens wait on the event itself
+_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ: unlike >=, right also when a word's count wraps around
+_HOST_ALLOC_FLAGS = 0x01 | 0x02  # CU_MEMHOSTALLOC_PORTABLE (every context) | CU_MEMHOSTALLOC_DEVICEMAP
+_LIVENESS_EVERY = 0.02  # seconds between checks that a waited-on producer still lives
+
+_cond = threading.Condition(threading.Lock())
+_base = 0  # address of the words, the same on host and GPUs (unified addressing); 0: not made yet
+_unsupported = False  # this driver cannot: opens wait on the event itself, as before
+_free: list[int] = []
+_taken: set[int] = set()  # words handed out and not yet set
+_values: list[int] = []  # each word's last value handed out
+_pending: dict[int, "_Gate"] = {}  # by word
+
+
+class _Gate:
+    __slots__ = ("word", "value", "event", "device", "segment", "pid", "lease", "since", "check_at")
+
+    def __init__(self, word: int, value: int, event: Any, device: int, segment: Any, pid: int, lease: Any) -> None:
+        self.word, self.value, self.event, self.device = word, value, event, device
+        self.segment, self.pid = segment, pid  # the producer's segment tells whether it lives
+        self.lease = weakref.ref(lease) if lease is not None else None
+        self.since = self.check_at = time.monotonic()
+
+
+def poll_interval(age: float) -> float:
+    """Seconds between polls of the pending waits, by the age of the youngest: short while most waits end."""
+    if age < 0.002:
+        return 2e-05
+    if age < 0.05:
+        return 0.0002
+    return 0.002
+
+
+def pending() -> int:
+    """How many waits the library's thread has yet to release."""
+    return len(_pending)
+
+
+def incomplete(lease: Any) -> "tuple[int, str] | None":
+    """``(pid, reason)`` when the arrays of ``lease``'s open may hold incomplete values: their producer exited
+    before the work that their ordering event waited for had run."""
+    return getattr(lease, "incomplete", None)
+
+
+def wait(event: Any, stream_ptr: int, device: int, segment: Any, pid: int, lease: Any) -> None:
+    """Make stream ``stream_ptr`` of GPU ``device`` (current) wait on the GPU for ``event``, an opened event
+    of producer ``pid`` (whose ``segment`` tells whether it lives), not completed yet; ``lease``: the open's,
+    marked if the producer exits first."""
+    word = _take(device)
+    if word is None:  # no words here: the event itself
+        _cuda.call("waiting on an event", _cuda.rt().streamWaitEvent, stream_ptr, event.ptr, 0)
+        return
+    value = _values[word]
+    gate = err = None
+    try:
+        gate = _Gate(word, value, event, device, segment, pid, lease)
+        err = _cuda._in_context(device, _wait_value(), stream_ptr, _base + 4 * word, value, _EQ)
+        if not err:
+            with _cond:
+                _pending[word] = gate
+                _cond.notify()
+    finally:
+        if _pending.get(word) is not gate:  # failed, or interrupted: no stream may wait on a word nobody sets
+            _set_free(word, value)  # (nothing if the thread has released it already)
+    if err:
+        _cuda.call("waiting on an event", _cuda.rt().streamWaitEvent, stream_ptr, event.ptr, 0)
+
+
+def host_wait(event: Any, segment: Any, pid: int) -> None:
+    """Block the host until ``event``, opened from producer ``pid``'s handle, has completed, polling it as the
+    thread does; where its ``segment`` shows the producer gone first, the event never will.
+
+    Raises:
+        ProducerExitedError: The producer exited before the event's work had run.
+        IpcError: The query failed.
+    """
+    runtime = _cuda.rt()
+    start = check_at = time.monotonic()
+    while True:
+        status = runtime.eventQuery(event.ptr)  # (CuPy returns the status, raising for none)
+        if status == 0:
+            return
+        if status != _cuda.NOT_READY:
+            raise _cuda._translated("synchronizing an event", _cuda._runtime_error()(status))
+        now = time.monotonic()
+        if now >= check_at:
+            check_at = now + _LIVENESS_EVERY
+            if not segment.producer_alive() and runtime.eventQuery(event.ptr) != 0:  # (not done just before it)
+                _segment.found_exited(segment)
+                raise ProducerExitedError(f"the producer (pid {pid}) exited before the work that its event waits "
+                                          f"for had run: the event will never complete", pid=pid)
+        time.sleep(poll_interval(now - start))
+
+
+def _wait_value() -> Any:
+    return _cuda._libcuda_fn("cuStreamWaitValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                             ctypes.c_uint)
+
+
+def _take(device: int) -> int | None:
+    """A free word, its next value counted up; ``None`` where there are none (or cannot be)."""
+    with _cond:
+        if not _base and not _unsupported:
+            try:
+                _make(device)
+            except Exception as e:  # noqa: BLE001 - opens wait on the events themselves, as before
+                warn_quietly(f"cannot make the words that stand in for other processes' events ({e!r}): a stream "
+                             f"that waits for a killed producer's event may then wait for ever")
+        if not _free:
+            return None
+        word = _free.pop()
+        _taken.add(word)
+        _values[word] = (_values[word] + 1) & 0xFFFFFFFF or 1  # (0, every word's start, never waited for)
+        return word
+
+
+def _make(device: int) -> None:
+    """The words and the thread that sets them; on failure, opens wait on the events themselves."""
+    global _base, _unsupported
+    _unsupported = True  # until made
+    alloc = _cuda._libcuda_fn("cuMemHostAlloc", ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+    device_ptr = _cuda._libcuda_fn("cuMemHostGetDevicePointer_v2", ctypes.POINTER(ctypes.c_uint64),
+                                   ctypes.c_void_p, ctypes.c_uint)
+    if alloc is None or device_ptr is None or _wait_value() is None:
+        return
+    host, dev = ctypes.c_void_p(), ctypes.c_uint64()
+    if _cuda._in_context(device, alloc, ctypes.byref(host), 4 * _WORDS, _HOST_ALLOC_FLAGS) or not host.value:
+        return
+    if _cuda._in_context(device, device_ptr, ctypes.byref(dev), host, 0) or dev.value != host.value:
+        return  # (kept: pinned memory freed while a stream may wait on it would be read after its free)
+    ctypes.memset(host.value, 0, 4 * _WORDS)
+    try:
+        threading.Thread(target=_watch, name="cupy_ipc-gates", daemon=True).start()
+    except RuntimeError:  # no new thread (the interpreter is exiting, say): nothing would set the words
+        return
+    atexit.register(_drain)  # (after CuPy's: runs before its teardown, which may wait for the GPU)
+    _free.extend(range(_WORDS - 1, -1, -1))
+    _values.extend([0] * _WORDS)
+    _base = host.value
+    _unsupported = False
+
+
+def _set_free(word: int, value: int) -> None:
+    """Release the stream that waits on ``word`` for ``value``, and hand the word out again (once)."""
+    with _cond:
+        if word not in _taken or _values[word] != value:
+            return  # released already, and maybe handed out again for a later wait
+        gate = _pending.get(word)
+        if gate is not None and gate.value == value:
+            del _pending[word]
+        _taken.discard(word)
+        ctypes.c_uint32.from_address(_base + 4 * word).value = value
+        _free.append(word)
+
+
+def _watch() -> None:
+    device = None
+    while True:
+        with _cond:
+            while not _pending:
+                _cond.wait()
+            gates = list(_pending.values())
+        now = time.monotonic()
+        for g in gates:
+            try:
+                if g.device != device:  # (never left on GPU 0 by default: that would make a context there)
+                    _cuda.rt().setDevice(g.device)
+                    device = g.device
+                _check(g, now)
+            except BaseException as e:  # noqa: BLE001 - this thread releases every later wait: it must not end
+                _mark(g, f"the producer's event could not be queried ({e!r})")
+                _set_free(g.word, g.value)
+        del gates, g  # (the events and segments they hold go now, not at the next poll)
+        with _cond:
+            youngest = max((p.since for p in _pending.values()), default=now)
+        time.sleep(poll_interval(now - youngest))
+
+
+def _check(g: _Gate, now: float) -> None:
+    status = _cuda.rt().eventQuery(g.event.ptr)  # (CuPy returns the status, raising for none)
+    if status == 0:
+        _set_free(g.word, g.value)
+        return
+    if status == _cuda.NOT_READY:
+        if now < g.check_at:
+            return
+        g.check_at = now + _LIVENESS_EVERY
+        if g.segment.producer_alive():
+            return
+        _segment.found_exited(g.segment)  # (as an open would have found it)
+        if _cuda.rt().eventQuery(g.event.ptr) == 0:  # its work finished just before it exited
+            _set_free(g.word, g.value)
+            return
+        reason = f"the producer (pid {g.pid}) exited before the work that its event waits for had run"
+    else:
+        reason = f"the producer's event could not be queried: {_cuda._runtime_error()(status)}"
+    _mark(g, reason)  # before the stream goes on
+    _set_free(g.word, g.value)
+
+
+def _mark(g: _Gate, reason: str) -> None:
+    lease = g.lease() if g.lease is not None else None
+    if lease is not None:
+        lease.incomplete = (g.pid, reason)
+    warn_quietly(f"released a stream that waited for another process's work: {reason}; what the stream reads of "
+                 f"that work may be incomplete")
+
+
+def _drain() -> None:
+    """At exit, before CuPy's teardown: wait until the thread has released every stream (its event completed or
+    its producer exited), since that teardown waits for the GPU, and the thread stops with it."""
+    while _pending:
+        time.sleep(0.001)
+
+
+def _forget_after_fork() -> None:
+    # The words are the parent's pinned memory, and its thread does not run here: a forked child makes no CUDA call.
+    global _cond, _base, _unsupported, _free, _taken, _values, _pending
+    _cond, _base, _unsupported = threading.Condition(threading.Lock()), 0, False
+    _free, _taken, _values, _pending = [], set(), [], {}
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
