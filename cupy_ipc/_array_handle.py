@@ -1074,11 +1074,7 @@ class IpcArrayHandle:
                 else:
                     ev = open_cached(f.event_handle, home, producer)
                     if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
-                        if stream_device == ev.device:  # a wait that the producer's death must not leave stuck
-                            with _cuda.using_device(stream_device):
-                                _gates.wait(ev, stream_obj.ptr, stream_device, seg, producer.pid, lease)
-                        else:  # a stream of another GPU cannot wait for it (see IpcEvent.wait): on the host
-                            _gates.host_wait(ev, seg, producer.pid)
+                        _gates.wait_for(ev, stream_obj.ptr, stream_device, seg, producer.pid, lease)
             mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
             arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
             if count:

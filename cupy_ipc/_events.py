@@ -160,21 +160,16 @@ class IpcEvent:
         """:meth:`wait` for a raw stream of a known GPU (``0``: that GPU's default stream)."""
         ptr = self.ptr  # first: it checks for a fork
         runtime = _cuda.rt()
-        if self._opened and stream_device != self._device:
-            self.synchronize()
-            return
         producer = self._producer()
-        with _cuda.using_device(stream_device):
-            if producer is None:
+        if producer is not None:  # (a wait that the producer's death must not leave stuck)
+            seg = self._producer_segment(producer)
+            if seg is not None:
+                _gates.wait_for(self, stream_ptr, stream_device, seg, producer.pid, None)
+        elif self._opened and stream_device != self._device:
+            _cuda.call("synchronizing an event", runtime.eventSynchronize, ptr)
+        else:
+            with _cuda.using_device(stream_device):
                 _cuda.call("waiting on an event", runtime.streamWaitEvent, stream_ptr, ptr, 0)
-            elif not self.query():  # (a wait that the producer's death must not leave stuck)
-                try:
-                    seg = _segment.attach(producer.token, producer.pid)
-                except ProducerExitedError:
-                    if self.query():  # its work finished just before it exited
-                        return
-                    raise
-                _gates.wait(self, stream_ptr, stream_device, seg, producer.pid, None)
 
     def synchronize(self) -> None:
         """Block the host until the work captured by the last record has finished.
@@ -194,6 +189,21 @@ class IpcEvent:
     def _producer(self) -> "Producer | None":
         """The process an event opened from a handle came from (``None`` for one created here)."""
         return self._handle.producer if self._opened and self._handle is not None else None
+
+    def _producer_segment(self, producer: Producer) -> Any:
+        """``producer``'s segment, for a wait on the event; ``None`` once the event has completed (no wait).
+
+        Raises:
+            ProducerExitedError: The producer has exited before the event's work had run.
+        """
+        if self.query():
+            return None
+        try:
+            return _segment.attach(producer.token, producer.pid)
+        except ProducerExitedError:
+            if self.query():  # its work finished just before it exited
+                return None
+            raise
 
     def query(self) -> bool:
         """True when the work captured by the last record has finished."""

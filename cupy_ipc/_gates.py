@@ -40,7 +40,7 @@ from typing import Any
 from . import _cuda, _segment
 from ._errors import ProducerExitedError, warn_quietly
 
-__all__ = ["host_wait", "incomplete", "pending", "poll_interval", "wait"]
+__all__ = ["host_wait", "incomplete", "pending", "poll_interval", "wait", "wait_for"]
 
 _WORDS = 4096  # waits at once; past that, opens wait on the event itself
 _EQ = 1  # CU_STREAM_WAIT_VALUE_EQ: unlike >=, right also when a word's count wraps around
@@ -91,23 +91,36 @@ def wait(event: Any, stream_ptr: int, device: int, segment: Any, pid: int, lease
     of producer ``pid`` (whose ``segment`` tells whether it lives), not completed yet; ``lease``: the open's,
     marked if the producer exits first."""
     word = _take(device)
-    if word is None:  # no words here: the event itself
+    if word is None or not _queued(word, event, stream_ptr, device, segment, pid, lease):  # the event itself
         _cuda.call("waiting on an event", _cuda.rt().streamWaitEvent, stream_ptr, event.ptr, 0)
-        return
+
+
+def wait_for(event: Any, stream_ptr: int, stream_device: int, segment: Any, pid: int, lease: Any) -> None:
+    """:func:`wait`, for a stream of any GPU: one of another GPU than the event's cannot wait for it on the GPU
+    (see :meth:`IpcEvent.wait`), and waits on the host (:func:`host_wait`)."""
+    with _cuda.using_device(event.device):
+        if stream_device == event.device:
+            wait(event, stream_ptr, stream_device, segment, pid, lease)
+        else:
+            host_wait(event, segment, pid)
+
+
+def _queued(word: int, event: Any, stream_ptr: int, device: int, segment: Any, pid: int, lease: Any) -> bool:
+    """Make the stream wait on ``word``, taken for its next value, for the thread to set; False, the word let go,
+    where the driver refused."""
     value = _values[word]
-    gate = err = None
+    gate = None
     try:
         gate = _Gate(word, value, event, device, segment, pid, lease)
-        err = _cuda._in_context(device, _wait_value(), stream_ptr, _base + 4 * word, value, _EQ)
-        if not err:
-            with _cond:
-                _pending[word] = gate
-                _cond.notify()
+        if _cuda._in_context(device, _wait_value(), stream_ptr, _base + 4 * word, value, _EQ):
+            return False
+        with _cond:
+            _pending[word] = gate
+            _cond.notify()
+        return True
     finally:
         if _pending.get(word) is not gate:  # failed, or interrupted: no stream may wait on a word nobody sets
             _set_free(word, value)  # (nothing if the thread has released it already)
-    if err:
-        _cuda.call("waiting on an event", _cuda.rt().streamWaitEvent, stream_ptr, event.ptr, 0)
 
 
 def host_wait(event: Any, segment: Any, pid: int) -> None:
@@ -129,11 +142,19 @@ def host_wait(event: Any, segment: Any, pid: int) -> None:
         now = time.monotonic()
         if now >= check_at:
             check_at = now + _LIVENESS_EVERY
-            if not segment.producer_alive() and runtime.eventQuery(event.ptr) != 0:  # (not done just before it)
-                _segment.found_exited(segment)
+            if _exited_first(event, segment):
                 raise ProducerExitedError(f"the producer (pid {pid}) exited before the work that its event waits "
                                           f"for had run: the event will never complete", pid=pid)
         time.sleep(poll_interval(now - start))
+
+
+def _exited_first(event: Any, segment: Any) -> bool:
+    """Whether the producer that ``segment`` belongs to has exited before ``event``'s work had run, which then
+    never will; a producer found gone is forgotten as an open that finds it gone does."""
+    if segment.producer_alive():
+        return False
+    _segment.found_exited(segment)
+    return _cuda.rt().eventQuery(event.ptr) != 0  # (not done just before it exited)
 
 
 def _wait_value() -> Any:
@@ -229,12 +250,8 @@ def _check(g: _Gate, now: float) -> None:
         if now < g.check_at:
             return
         g.check_at = now + _LIVENESS_EVERY
-        if g.segment.producer_alive():
-            return
-        _segment.found_exited(g.segment)  # (as an open would have found it)
-        if _cuda.rt().eventQuery(g.event.ptr) == 0:  # its work finished just before it exited
-            _set_free(g.word, g.value)
-            return
+        if not _exited_first(g.event, g.segment):
+            return  # alive, or its work done just before it exited: the next poll releases the wait
         reason = f"the producer (pid {g.pid}) exited before the work that its event waits for had run"
     else:
         reason = f"the producer's event could not be queried: {_cuda._runtime_error()(status)}"

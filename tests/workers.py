@@ -330,15 +330,21 @@ def hold_and_send_on(data: bytes, name: str) -> bytes:
 
 def hold_open(data: bytes, name: str) -> None:
     """Open on the current stream, keeping the handle and its array for :func:`read_then_close`."""
-    import warnings
-
     from cupy_ipc import IpcArrayHandle
 
-    recording = warnings.catch_warnings(record=True)  # from now: the library's thread may warn at any time
-    caught = recording.__enter__()
-    warnings.simplefilter("always")
+    recording, caught = _record_warnings()  # from now: the library's thread may warn at any time
     handle = IpcArrayHandle.from_bytes(data)
     _held[name] = (handle, handle.open(), recording, caught)
+
+
+def _record_warnings() -> tuple[Any, list]:
+    """Record every warning from now on, the library's threads' too, until the returned context is exited."""
+    import warnings
+
+    recording = warnings.catch_warnings(record=True)
+    caught = recording.__enter__()
+    warnings.simplefilter("always")
+    return recording, caught
 
 
 def read_then_close(name: str) -> dict:
@@ -381,15 +387,11 @@ def open_then_first_launch(data: bytes) -> dict:
 def hold_event(data: bytes, name: str, how: str) -> None:
     """Open an event from its handle, recording the warnings given from now, for :func:`wait_on_held_event`;
     ``how`` ``"wait"``: a stream of its own waits for it now."""
-    import warnings
-
     import cupy
 
     from cupy_ipc import IpcEventHandle
 
-    recording = warnings.catch_warnings(record=True)
-    caught = recording.__enter__()
-    warnings.simplefilter("always")
+    recording, caught = _record_warnings()
     ev = IpcEventHandle.from_bytes(data).open()
     s = cupy.cuda.Stream(non_blocking=True)
     if how == "wait":
