@@ -182,9 +182,9 @@ class IpcEvent:
         producer = self._producer()
         if producer is None:
             _cuda.call("synchronizing an event", _cuda.rt().eventSynchronize, ptr)
-        else:  # polled: a killed producer's event never completes
-            with _cuda.using_device(self._device):
-                _gates.host_wait(self, _segment.attach(producer.token, producer.pid), producer.pid)
+        elif (seg := self._producer_segment(producer)) is not None:
+            with _cuda.using_device(self._device):  # polled: a killed producer's event never completes
+                _gates.host_wait(self, seg, producer.pid)
 
     def _producer(self) -> "Producer | None":
         """The process an event opened from a handle came from (``None`` for one created here)."""

@@ -111,3 +111,33 @@ def test_an_event_query_that_cuda_fails_raises_rather_than_reads_not_finished(de
     finally:
         ev.close()
     assert destroyed == [EVENT]
+
+
+# A producer that exits right after its event's work has run leaves an event that has completed: a wait on it has
+# nothing to wait for. synchronize() asked for the producer before it looked at the event, and raised.
+@pytest.mark.parametrize("done", [True, False], ids=["completed", "never-completes"])
+def test_a_host_wait_for_the_event_of_an_exited_producer_raises_only_if_the_event_has_not_completed(
+        destroyed, libcuda, monkeypatch, done):
+    from cupy_ipc import ProducerExitedError
+
+    def opened(out, handle):
+        out._obj.value = EVENT
+        return 0
+
+    def exited(token, pid):
+        raise ProducerExitedError(f"the producer process (pid {pid}) has exited", pid=pid)
+
+    libcuda["cuIpcOpenEventHandle"] = opened
+    _cuda.rt().eventQuery = lambda ev: 0 if done else 600
+    h = _handle()
+    ev = h.open()  # while the producer lives
+    monkeypatch.setattr(_events._segment, "attach", exited)
+    try:
+        if done:
+            ev.synchronize()
+        else:
+            with pytest.raises(ProducerExitedError) as e:
+                ev.synchronize()
+            assert e.value.pid == h.producer.pid
+    finally:
+        ev.close()
