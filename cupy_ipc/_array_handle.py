@@ -12,7 +12,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from . import _cuda, _fdserver, _fork, _gates, _keepalive, _mapping, _pools, _segment, _vmm
+from . import _cuda, _fdserver, _fork, _gates, _keepalive, _mapping, _pools, _segment, _vmm, _words
 from ._args import checked_count, checked_lease
 from ._descriptors import close_all
 from ._errors import HandleError, IpcError, ProducerExitedError
@@ -21,6 +21,7 @@ from ._identity import Producer, this_process
 from ._wire import (
     FLAG_EVENT,
     FLAG_KEEPALIVE,
+    FLAG_WORD,
     VERSION,
     ArrayFields,
     DeviceId,
@@ -431,14 +432,12 @@ def get_ipc_handle(
         pin = (array if keepalive else None, (template.base_ptr, template.allocation_size, template.buffer_id),
                device, consumers, lease, stream_ptr, (arr.shape, template.dtype))
         if current == device:
-            export_id, slot, event = _keepalive.pin(*pin)
+            export_id, slot, event, ordered = _keepalive.pin(*pin)
         else:
             with _cuda.using_device(device):
-                export_id, slot, event = _keepalive.pin(*pin)
-        flags = FLAG_KEEPALIVE if keepalive else 0
-        if event is not None:
-            flags |= FLAG_EVENT
-        else:
+                export_id, slot, event, ordered = _keepalive.pin(*pin)
+        flags = (FLAG_KEEPALIVE if keepalive else 0) | ordered
+        if event is None:
             event = _NO_HANDLE
     else:  # no export part
         _segment.own_segment(template.producer.token)  # lets consumers tell that we are alive
@@ -485,13 +484,12 @@ def _export_common(arr: Any, stream: Any) -> "IpcArrayHandle | None":
     if offset % align or offset + lo < 0 or offset + hi > size:
         return None
     memory_handle = _memory_handle(base, buffer_id)
-    export_id, slot, event = _keepalive.pin(arr, (base, size, buffer_id), device, 1, None,
-                                            _cuda.stream_ptr(stream), (shape, dtype))
+    export_id, slot, event, ordered = _keepalive.pin(arr, (base, size, buffer_id), device, 1, None,
+                                                     _cuda.stream_ptr(stream), (shape, dtype))
     try:
+        flags = FLAG_KEEPALIVE | ordered
         if event is None:
-            flags, event = FLAG_KEEPALIVE, _NO_HANDLE
-        else:
-            flags = FLAG_KEEPALIVE | FLAG_EVENT
+            event = _NO_HANDLE
         fields = ArrayFields(Kind.LEGACY, flags, dtype, memory_handle, offset, size, base, buffer_id, device_id,
                              producer, export_id, slot, event, shape, strides)
         wire = with_allocation(layout, flags, memory_handle, offset, size, base, buffer_id, export_id, slot, event)
@@ -535,12 +533,11 @@ def _resend(arr: Any, lane: tuple[Any, ...]) -> "IpcArrayHandle | None":
         stream_ptr = _cuda.cupy_names()[0]().ptr
     except _cuda._runtime_error() as e:
         raise _cuda._translated("exporting the array", e) from e
-    export_id, slot, event = _keepalive.pin(arr, origin, device, 1, None, stream_ptr, description)
+    export_id, slot, event, ordered = _keepalive.pin(arr, origin, device, 1, None, stream_ptr, description)
     try:
+        flags = FLAG_KEEPALIVE | ordered
         if event is None:
-            flags, event = FLAG_KEEPALIVE, _NO_HANDLE
-        else:
-            flags = FLAG_KEEPALIVE | FLAG_EVENT
+            event = _NO_HANDLE
         return IpcArrayHandle._make(with_export(template, flags, export_id, slot, event),
                                     splice(parts, flags, export_id, slot, event))
     except BaseException:
@@ -630,23 +627,41 @@ def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
             f.allocation_size, None, None, seg, producer.token, producer.pid, f.export_id, f.slot, stream, device,
             device, None, False, (f.memory_handle, producer.token, f.base_ptr, f.allocation_size), claimed)
         try:
-            if f.flags & FLAG_EVENT:
-                ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it
-                status = runtime.eventQuery(ev._ptr)  # a finished event needs no wait: the GPU-side wait is slow
-                if status == _cuda.NOT_READY:  # a wait that the producer's death must not leave stuck
-                    _gates.wait(ev, stream.ptr, device, seg, producer.pid, lease)
-                elif status:
-                    runtime.streamWaitEvent(stream.ptr, ev._ptr, 0)  # (as before: the error shows there)
             mem = UnownedMemory(ptr, f.allocation_size, lease, device)
             arr = ndarray(f.shape, f.dtype, MemoryPointer(mem, f.offset), f.strides)
+            if f.flags & FLAG_EVENT:  # last: nothing but the count below can fail once the stream waits
+                _wait_for_export(f, device, stream.ptr, seg, lease)
             _mapping.opened(lease)
         except BaseException:
             mem = arr = None  # no array of the mapping left in the traceback's frame once it is gone
+            _words.park(seg)  # a stream may wait on its words, which a close would unregister
             _mapping.abandon(lease, last_try)  # now, not when the traceback (which holds the lease) goes
             raise
     except _cuda._runtime_error() as e:
         raise _cuda._translated("opening the array", e) from e
     return arr
+
+
+def _wait_for_export(f: ArrayFields, device: int, stream_ptr: int, seg: Any, lease: Any) -> None:
+    """Make stream ``stream_ptr`` of GPU ``device`` (current, the event's) wait on the GPU for the work that
+    ``f``'s export orders, unless it is done: for the producer's word where it writes one (see ``_words``),
+    else for its event; either way released if the producer dies first (see ``_gates``)."""
+    producer = f.producer
+    if f.flags & FLAG_WORD and f.slot < _words.COUNT and not _words.disabled:
+        words = _words.of_producer(seg, device)
+        if words is not None:
+            value = _words.value_of(f.export_id)
+            if _words.reached(words.read(f.slot), value):
+                return
+            if _gates.wait_word(words, f.slot, value, stream_ptr, device, seg, producer.pid, lease):
+                return
+    runtime = _cuda.rt()
+    ev = open_cached(f.event_handle, device, producer)  # held here: the cache may let go of it
+    status = runtime.eventQuery(ev._ptr)  # a finished event needs no wait: the GPU-side wait is slow
+    if status == _cuda.NOT_READY:  # a wait that the producer's death must not leave stuck
+        _gates.wait(ev, stream_ptr, device, seg, producer.pid, lease)
+    elif status:
+        _cuda.call("waiting on the producer's event", runtime.streamWaitEvent, stream_ptr, ev._ptr, 0)  # (as before)
 
 
 def _count_unclaimed(f: ArrayFields) -> None:
@@ -879,7 +894,10 @@ class IpcArrayHandle:
         """Map the array into this process and return it as a ``cupy.ndarray``.
 
         The consumer's ``stream`` (default: the current one of the GPU the
-        array opens on) waits on the producer's event on the GPU. Queue the
+        array opens on) waits on the GPU for the producer's work on the
+        array, if the handle says some was still queued at its export and it
+        has not finished yet (for a word that the producer's stream writes
+        once it has; see the README). Queue the
         work that uses the array on that stream (or after it): its completion
         is what releases the producer's memory once the array is gone. If the
         producer is killed before that event's work has run, the stream is
@@ -1068,19 +1086,23 @@ class IpcArrayHandle:
             f.kind == Kind.POOL, origin, claimed,
         )
         try:
-            if f.flags & FLAG_EVENT:
+            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
+            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
+            if f.flags & FLAG_EVENT:  # last: nothing but the count below can fail once the stream waits
                 if from_us:
                     _keepalive.wait_own_event(f.export_id, stream_obj.ptr, stream_device)
+                elif stream_device == home:
+                    with _cuda.using_device(home):
+                        _wait_for_export(f, home, stream_obj.ptr, seg, lease)
                 else:
                     ev = open_cached(f.event_handle, home, producer)
                     if not ev.query():  # a finished event needs no wait, and the GPU-side wait is slow
                         _gates.wait_for(ev, stream_obj.ptr, stream_device, seg, producer.pid, lease)
-            mem = cupy.cuda.UnownedMemory(ptr, f.allocation_size, lease, map_device)
-            arr = cupy.ndarray(f.shape, f.dtype, cupy.cuda.MemoryPointer(mem, f.offset), f.strides)
             if count:
                 _mapping.opened(lease)
         except BaseException:
             mem = arr = None  # no array of the mapping left in the traceback's frame once it is gone
+            _words.park(seg)  # a stream may wait on its words, which a close would unregister
             _mapping.abandon(lease, last_try)  # now, not when the traceback (which holds the lease) goes
             raise
         return arr

@@ -8,19 +8,25 @@ timeout, and a record of the same event by the consumer does not release the
 wait (both measured on an H200). Every device-wide wait of the consumer
 after that (a ``cudaFree``, a mapping's close, its exit) hung with it.
 
-So an open whose event has not completed yet (and :meth:`IpcEvent.wait` on
-an event opened from a handle) makes its stream wait on a word of pinned
-host memory instead (``cuStreamWaitValue32``), and a thread of the library's
-polls the event and sets the word once the event has completed, or once it
-sees the producer gone. In that case the stream goes on, the open's arrays
-marked incomplete first (their handle's ``close()`` raises
+So an open whose event has not completed yet waits on a word of pinned host
+memory instead (``cuStreamWaitValue32``). Where the producer's stream writes a
+word of its own segment once the work is done (``_words``), the consumer's
+stream waits for that one, and a thread of the library only looks, every
+20 ms, whether the producer still lives. Otherwise (and for
+:meth:`IpcEvent.wait` on an event opened from a handle) the stream waits on a
+word of this process, and that thread polls the event and sets the word once
+it has completed. Either way, once the thread sees the producer gone before
+the word was reached, it sets the word itself: the stream goes on, the open's
+arrays marked incomplete first (their handle's ``close()`` raises
 :class:`ProducerExitedError`), and a warning says so at once. A wait on the
 host for such an event (:func:`host_wait`) polls it too, and raises once the
 producer is gone.
 
-Each word serves one wait at a time, each wait for a value the word has
-not held before (its count goes up), so a word is free again as soon as it is
-set.
+Each word of this process serves one wait at a time, each wait for a value
+the word has not held before (its count goes up), so a word is free again as
+soon as it is set. Waits compare cyclically (``(int32)(word - value) >= 0``):
+a stream still queued behind its own work when its word is set, and the word
+handed out again and set to a later value, still goes on.
 
 Example:
     >>> [poll_interval(age) for age in (0.0005, 0.01, 1.0)]
@@ -37,13 +43,14 @@ import time
 import weakref
 from typing import Any
 
-from . import _cuda, _segment
+from . import _cuda, _segment, _words
 from ._errors import ProducerExitedError, warn_quietly
 
-__all__ = ["host_wait", "incomplete", "pending", "poll_interval", "wait", "wait_for"]
+__all__ = ["host_wait", "incomplete", "pending", "poll_interval", "wait", "wait_for", "wait_word"]
 
 _WORDS = 4096  # waits at once; past that, opens wait on the event itself
-_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ: unlike >=, right also when a word's count wraps around
+_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, cyclic (EQ would hang a stream that reaches
+# its wait only once its word has been handed out again and set to a later value)
 _HOST_ALLOC_FLAGS = 0x01 | 0x02  # CU_MEMHOSTALLOC_PORTABLE (every context) | CU_MEMHOSTALLOC_DEVICEMAP
 _LIVENESS_EVERY = 0.02  # seconds between checks that a waited-on producer still lives
 
@@ -53,14 +60,17 @@ _unsupported = False  # this driver cannot: opens wait on the event itself, as b
 _free: list[int] = []
 _taken: set[int] = set()  # words handed out and not yet set
 _values: list[int] = []  # each word's last value handed out
-_pending: dict[int, "_Gate"] = {}  # by word
+_pending: dict[Any, "_Gate"] = {}  # by this process's word, or (words, slot, value) of a producer's
 
 
 class _Gate:
-    __slots__ = ("word", "value", "event", "device", "segment", "pid", "lease", "since", "check_at")
+    __slots__ = ("word", "value", "event", "device", "segment", "pid", "lease", "since", "check_at", "words")
 
-    def __init__(self, word: int, value: int, event: Any, device: int, segment: Any, pid: int, lease: Any) -> None:
-        self.word, self.value, self.event, self.device = word, value, event, device
+    def __init__(self, word: Any, value: int, event: Any, device: int, segment: Any, pid: int, lease: Any,
+                 words: Any = None) -> None:
+        # ``word``: this process's word, set by the thread once ``event`` has completed; or, with ``words`` (the
+        # producer's, ``event`` None), the producer's slot, which its GPU sets.
+        self.word, self.value, self.event, self.device, self.words = word, value, event, device, words
         self.segment, self.pid = segment, pid  # the producer's segment tells whether it lives
         self.lease = weakref.ref(lease) if lease is not None else None
         self.since = self.check_at = time.monotonic()
@@ -95,6 +105,24 @@ def wait(event: Any, stream_ptr: int, device: int, segment: Any, pid: int, lease
         _cuda.call("waiting on an event", _cuda.rt().streamWaitEvent, stream_ptr, event.ptr, 0)
 
 
+def wait_word(words: Any, slot: int, value: int, stream_ptr: int, device: int, segment: Any, pid: int,
+              lease: Any) -> bool:
+    """Make stream ``stream_ptr`` of GPU ``device`` (current) wait for producer ``pid``'s word ``slot`` of
+    ``words`` (:class:`_words.Words`) to reach ``value``, which its GPU writes once the export's work is done;
+    watched by the thread, which sets it if the producer exits first. False, nothing queued, where the driver
+    refused (the caller waits on the event then)."""
+    gate = _Gate(slot, value, None, device, segment, pid, lease, words)
+    with _cond:
+        if _unsupported or not _started():  # (the stream memory operations this needs; a thread to watch it)
+            return False
+    if not _words.wait(words, stream_ptr, slot, value):
+        return False
+    with _cond:
+        _pending[(words, slot, value)] = gate  # (the same wait twice: one watch serves both)
+        _cond.notify()
+    return True
+
+
 def wait_for(event: Any, stream_ptr: int, stream_device: int, segment: Any, pid: int, lease: Any) -> None:
     """:func:`wait`, for a stream of any GPU: one of another GPU than the event's cannot wait for it on the GPU
     (see :meth:`IpcEvent.wait`), and waits on the host (:func:`host_wait`)."""
@@ -112,7 +140,7 @@ def _queued(word: int, event: Any, stream_ptr: int, device: int, segment: Any, p
     gate = None
     try:
         gate = _Gate(word, value, event, device, segment, pid, lease)
-        if _cuda._in_context(device, _wait_value(), stream_ptr, _base + 4 * word, value, _EQ):
+        if _cuda._in_context(device, _wait_value(), stream_ptr, _base + 4 * word, value, _GEQ):
             return False
         with _cond:
             _pending[word] = gate
@@ -194,15 +222,29 @@ def _make(device: int) -> None:
     if _cuda._in_context(device, device_ptr, ctypes.byref(dev), host, 0) or dev.value != host.value:
         return  # (kept: pinned memory freed while a stream may wait on it would be read after its free)
     ctypes.memset(host.value, 0, 4 * _WORDS)
-    try:
-        threading.Thread(target=_watch, name="cupy_ipc-gates", daemon=True).start()
-    except RuntimeError:  # no new thread (the interpreter is exiting, say): nothing would set the words
+    if not _started():
         return
-    atexit.register(_drain)  # (after CuPy's: runs before its teardown, which may wait for the GPU)
     _free.extend(range(_WORDS - 1, -1, -1))
     _values.extend([0] * _WORDS)
     _base = host.value
     _unsupported = False
+
+
+_thread: threading.Thread | None = None
+
+
+def _started() -> bool:
+    """Whether the thread that releases the waits runs, started now if need be (the caller holds ``_cond``)."""
+    global _thread
+    if _thread is None:
+        thread = threading.Thread(target=_watch, name="cupy_ipc-gates", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread (the interpreter is exiting, say): nothing would release the waits
+            return False
+        atexit.register(_drain)  # (after CuPy's: runs before its teardown, which may wait for the GPU)
+        _thread = thread
+    return True
 
 
 def _set_free(word: int, value: int) -> None:
@@ -228,17 +270,62 @@ def _watch() -> None:
         now = time.monotonic()
         for g in gates:
             try:
+                if g.words is not None:
+                    _check_word(g, now)
+                    continue
                 if g.device != device:  # (never left on GPU 0 by default: that would make a context there)
                     _cuda.rt().setDevice(g.device)
                     device = g.device
                 _check(g, now)
             except BaseException as e:  # noqa: BLE001 - this thread releases every later wait: it must not end
-                _mark(g, f"the producer's event could not be queried ({e!r})")
-                _set_free(g.word, g.value)
+                _mark(g, f"the producer's {'event' if g.words is None else 'word'} could not be queried ({e!r})")
+                _release(g)
         del gates, g  # (the events and segments they hold go now, not at the next poll)
         with _cond:
-            youngest = max((p.since for p in _pending.values()), default=now)
-        time.sleep(poll_interval(now - youngest))
+            if not _pending:
+                continue
+            # Events are polled, fast while young; the producers' words need a look only for their liveness. A
+            # new wait wakes the thread (notify), so that its event is polled at once.
+            youngest = max((p.since for p in _pending.values() if p.words is None), default=None)
+            _cond.wait(_LIVENESS_EVERY if youngest is None else poll_interval(now - youngest))
+
+
+def _release(g: _Gate) -> None:
+    """Let ``g``'s stream go on now."""
+    if g.words is None:
+        _set_free(g.word, g.value)
+        return
+    try:
+        g.words.set(g.word, g.value)  # (the producer's, which has gone: nobody else writes it)
+    except (ValueError, OSError):  # unmapped (at exit, or in a forked child): no stream here waits any more
+        pass
+    _drop(g)
+
+
+def _drop(g: _Gate) -> None:
+    with _cond:
+        key = (g.words, g.word, g.value)
+        if _pending.get(key) is g:
+            del _pending[key]
+
+
+def _check_word(g: _Gate, now: float) -> None:
+    """A wait for a producer's word: forgotten once the word is reached; released, marked incomplete, once the
+    producer is seen gone before that."""
+    if _words.reached(g.words.read(g.word), g.value):
+        _drop(g)
+        return
+    if now < g.check_at:
+        return
+    g.check_at = now + _LIVENESS_EVERY
+    if g.segment.producer_alive():
+        return
+    _segment.found_exited(g.segment)
+    if _words.reached(g.words.read(g.word), g.value):  # (done just before it exited)
+        _drop(g)
+        return
+    _mark(g, f"the producer (pid {g.pid}) exited before the work that its export waits for had run")
+    _release(g)
 
 
 def _check(g: _Gate, now: float) -> None:
@@ -256,7 +343,7 @@ def _check(g: _Gate, now: float) -> None:
     else:
         reason = f"the producer's event could not be queried: {_cuda._runtime_error()(status)}"
     _mark(g, reason)  # before the stream goes on
-    _set_free(g.word, g.value)
+    _release(g)
 
 
 def _mark(g: _Gate, reason: str) -> None:
@@ -276,8 +363,8 @@ def _drain() -> None:
 
 def _forget_after_fork() -> None:
     # The words are the parent's pinned memory, and its thread does not run here: a forked child makes no CUDA call.
-    global _cond, _base, _unsupported, _free, _taken, _values, _pending
-    _cond, _base, _unsupported = threading.Condition(threading.Lock()), 0, False
+    global _cond, _base, _unsupported, _free, _taken, _values, _pending, _thread
+    _cond, _base, _unsupported, _thread = threading.Condition(threading.Lock()), 0, False, None
     _free, _taken, _values, _pending = [], set(), [], {}
 
 

@@ -29,11 +29,12 @@ import threading
 import time
 from typing import Any, Iterable, NamedTuple
 
-from . import _cuda, _segment
+from . import _cuda, _segment, _words
 from ._errors import IpcError, warn_quietly
 from ._events import IpcEvent
 from ._identity import this_process
 from ._segment import ONE_CONSUMER, PINNED, REVOKED
+from ._wire import FLAG_EVENT, FLAG_WORD
 
 __all__ = ["PinInfo", "awaiting", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
 
@@ -98,12 +99,14 @@ def _take_event(device: int) -> IpcEvent:
 
 
 def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, lease: float | None,
-        stream_ptr: int | None, description: Any) -> tuple[int, int, bytes | None]:
-    """Register an export; returns ``(export_id, slot, event handle or None)``.
+        stream_ptr: int | None, description: Any) -> tuple[int, int, bytes | None, int]:
+    """Register an export; returns ``(export_id, slot, event handle or None, flags)``, the flags
+    :data:`FLAG_EVENT` and :data:`FLAG_WORD` where the export carries them.
 
     ``keep`` is held until the pin ends; ``origin`` is the exported
     allocation's ``(base, size, buffer id)``. ``stream_ptr``, when given, is where
-    the ordering event is recorded (the current device must be ``device``);
+    the ordering event is recorded (the current device must be ``device``),
+    after the write of the export's word (see ``_words``) where that can be;
     a stream with no work left needs no event, and gets none.
     """
     global _exports_to_sweep
@@ -115,11 +118,17 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
             _sweep(seg)
         if lease is not None:
             _start_keeper()  # before anything is taken: a thread that cannot start fails the export, leaving nothing
+        slot = _free_slots.pop() if _free_slots else next(_slot_counter)
+        export_id = next(_export_ids)
         event = handle = None
-        # (The legacy default stream's query counts the work of the blocking streams it waits for: measured.)
-        if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
-            event = _take_event(device)
-            try:
+        flags = 0
+        try:
+            # (The legacy default stream's query counts the work of the blocking streams it waits for: measured.)
+            if stream_ptr is not None and not _cuda.stream_idle(stream_ptr):
+                event = _take_event(device)
+                # The word before the event, so that the event completed means the word written: a slot is freed
+                # only then (_try_free), and no write of it is still queued when it is taken again.
+                flags = FLAG_EVENT | FLAG_WORD if _words.write(seg, stream_ptr, slot, export_id, device) else FLAG_EVENT
                 try:
                     _cuda.call("recording the ordering event", _cuda.rt().eventRecord, event._ptr, stream_ptr)
                 except IpcError as e:
@@ -128,15 +137,10 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
                 if handle is None:
                     handle = event.get_ipc_handle()  # before the pin: a pin without a handle would leak
                 handle = handle.event_handle
-            except BaseException:
-                _event_pool.setdefault(device, []).append(event)
-                raise
-        slot = _free_slots.pop() if _free_slots else next(_slot_counter)
-        export_id = next(_export_ids)
-        try:
             seg.write(slot, export_id, PINNED | ONE_CONSUMER if consumers == 1 else PINNED)
         except BaseException:  # the segment could not grow to the slot, say: both are there for the next pin
-            _free_slots.append(slot)
+            if not flags & FLAG_WORD:  # (else a write of the slot's word may still be queued: the slot is left out)
+                _free_slots.append(slot)
             if event is not None:
                 _event_pool.setdefault(device, []).append(event)
             raise
@@ -144,7 +148,7 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
         _pins[export_id] = _Pin(export_id, slot, keep, origin, device, consumers, deadline, event, description)
         if deadline is not None:
             _watch(deadline, export_id)
-    return export_id, slot, handle
+    return export_id, slot, handle, flags
 
 
 # --- leases: revoked when they run out, whether or not this process exports or collects again ---------
@@ -211,7 +215,11 @@ def _revoke(seg: _segment.Segment, p: _Pin) -> None:
 
 def _try_free(seg: _segment.Segment, p: _Pin) -> bool:
     # Called once the export is revoked or has all its consumers: the slot is
-    # closed to further opens first, then freed if no consumer holds it.
+    # closed to further opens first, then freed if no consumer holds it and
+    # the work its event orders is done (its word written: see pin).
+    if p.event is not None and _cuda.rt().eventQuery(p.event._ptr) == _cuda.NOT_READY:
+        seg.write_state(p.slot, REVOKED)
+        return False
     if not seg.try_free(p.slot):
         return False  # a consumer still uses it
     del _pins[p.export_id]

@@ -1,8 +1,10 @@
 """The small shared file through which consumers tell a producer what they hold.
 
 One file per producer process, named after its random token, in ``/dev/shm``
-(or the temporary directory where that is missing). It holds one 16-byte
-record per export slot: ``export_id`` (u64), ``opens`` (u32), ``state`` (u32).
+(or the temporary directory where that is missing). It starts with the
+words that the producer's GPU writes when an export's work is done (see
+``_words``), followed by one 16-byte record per export slot: ``export_id``
+(u64), ``opens`` (u32), ``state`` (u32).
 
 Liveness and "still in use" are open-file-description locks (Linux
 ``F_OFD_SETLK``), never counters alone, because the kernel drops a lock when
@@ -37,9 +39,10 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ._errors import IpcError, ProducerExitedError, warn_quietly
+from ._words import BYTES as _WORDS_BYTES
 
 __all__ = ["Segment", "attach", "found_exited", "own_segment", "remove_stale", "segment_path", "when_exited",
            "FREE", "PINNED", "REVOKED", "ONE_CONSUMER", "READ", "WRITE"]
@@ -51,7 +54,7 @@ ONE_CONSUMER = 0x100  # with PINNED: the export admits one consumer
 _RECORD = struct.Struct("<QII")
 MAX_OPENS = 0xFFFFFFFF  # a record's count of opens is a u32: an export admits at most as many consumers
 _U32 = struct.Struct("<I")
-_DATA_START = 64
+_DATA_START = _WORDS_BYTES  # the records, after the words
 _INITIAL_SLOTS = 1024
 _LOCK_BASE = 1 << 40  # lock bytes live far past the data; locks need no backing bytes
 ALIVE = _LOCK_BASE
@@ -153,6 +156,7 @@ class Segment:
         self.path = path
         self.owner = owner  # only the producer grows its file
         self.mm: mmap.mmap | None = None  # a shared view of the records
+        self.words: Any = None  # the words, mapped and registered with CUDA once needed (False: they cannot be)
         _every.add(self)
 
     @classmethod
@@ -275,6 +279,12 @@ class Segment:
         if self.mm is not None:
             self.mm.close()
             self.mm = None
+        words, self.words = self.words, None
+        if words and not self.owner:
+            # A consumer's, closed with the last claim or wait on this producer's memory, each held until the
+            # stream work queued after it (a wait on a word among them) was done. The producer's own stay: its
+            # GPU may still have writes to them queued (it closes its segment at exit).
+            words.release()
         os.close(fd)
 
     def __del__(self) -> None:
@@ -536,6 +546,7 @@ def _forget_after_fork() -> None:
     _create_lock = threading.Lock()  # another thread may have held one at the fork
     _attach_lock = threading.Lock()
     for seg in list(_every):
+        seg.words = None  # the parent's registration with CUDA: no CUDA call here
         try:
             seg.close()  # our copies (descriptors, and views, which keep the open file too), never used again
         except Exception:  # noqa: BLE001 - the others must still be closed

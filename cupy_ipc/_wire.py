@@ -58,6 +58,7 @@ MAX_BYTES = 2**63 - 1
 
 FLAG_KEEPALIVE = 1  # the producer pins the memory; export_id/slot are valid
 FLAG_EVENT = 2  # event_handle holds the producer's ordering event
+FLAG_WORD = 4  # with FLAG_EVENT: the producer's GPU also writes the export's word in its segment (see _words)
 
 
 class Kind:
@@ -86,7 +87,7 @@ _ALLOCATION = struct.Struct("<64sQQQQ")
 _ALLOCATION_AT = _BODY.size - _ALLOCATION.size
 _ARRAY = struct.Struct(_BODY.format + _ORIGIN.format[1:] + _DYNAMIC.format[1:])
 _EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
-_FLAGS = FLAG_KEEPALIVE | FLAG_EVENT
+_FLAGS = FLAG_KEEPALIVE | FLAG_EVENT | FLAG_WORD
 _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 31), (0, 1 << 32)
 _HOST_BYTES = 32
 # After the extents and strides of a kind shared by descriptor: the descriptor's

@@ -19,6 +19,7 @@ PAIRED = SUITE.parent / "paired.py"
 FLOOR = SUITE.parent / "floor.py"
 PRIMITIVES = SUITE.parent / "primitives.py"
 WAKE = SUITE.parent / "wake.py"
+RELEASE = SUITE.parent / "release.py"
 
 
 def _benchmark_module(name):
@@ -55,6 +56,19 @@ def test_without_a_gpu_the_step_timer_says_so():
         pytest.skip("a GPU is visible: the step timer's GPU run below runs instead")
     r = subprocess.run([sys.executable, str(STEPS)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("steps: no GPU:")
+
+
+def test_without_a_gpu_the_release_timer_says_so():
+    if unavailable_reason() is None:
+        pytest.skip("a GPU is visible")
+    r = subprocess.run([sys.executable, str(RELEASE), "--iters", "3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("release: no GPU:")
+
+
+def test_the_release_timer_refuses_an_unknown_method_before_anything_runs():
+    r = subprocess.run([sys.executable, str(RELEASE), "--methods", "raw,cupy-ipc"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "unknown method(s) cupy-ipc: choose from raw, raw-word," in r.stderr
 
 
 def test_without_a_gpu_the_floor_prototype_says_so():

@@ -66,7 +66,7 @@ def opens(monkeypatch):
 def _pin(consumers: int) -> tuple[int, int, Segment]:
     """An export of this process awaiting ``consumers`` (no memory, no ordering event): its id and slot, and the
     producer's segment."""
-    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, consumers, None, None, ((16,), "float32"))
+    export_id, slot, *_ = _keepalive.pin(None, (0, 64, 0), 0, consumers, None, None, ((16,), "float32"))
     return export_id, slot, _segment.own_segment(this_process().token)
 
 

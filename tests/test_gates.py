@@ -57,3 +57,58 @@ def test_without_words_the_open_waits_on_the_event_itself(monkeypatch):
     monkeypatch.setattr(_gates, "_unsupported", True)
     monkeypatch.setattr(_gates, "_free", [])
     assert _gates._take(0) is None
+
+
+# --- waits for a producer's word (its GPU writes it; the thread here only watches its liveness) ---
+class _Producer:
+    """A producer's segment as the thread sees it: whether it lives, and its token."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive, self.token = alive, b"\0" * 16
+
+    def producer_alive(self) -> bool:
+        return self.alive
+
+
+class _Lease:
+    incomplete = None
+
+
+def _watched(alive: bool, word: int, value: int) -> tuple[object, object, object]:
+    import mmap
+
+    from cupy_ipc import _words
+
+    words = _words.Words(mmap.mmap(-1, _words.BYTES), 0, 0)
+    words.set(3, word)
+    lease = _Lease()
+    gate = _gates._Gate(3, value, None, 0, _Producer(alive), 4242, lease, words)
+    gate.check_at = 0.0
+    _gates._pending[(words, 3, value)] = gate
+    return words, gate, lease
+
+
+def test_a_wait_for_a_producers_word_is_forgotten_once_the_word_is_reached(words):
+    producer_words, gate, lease = _watched(alive=True, word=7, value=7)
+    _gates._check_word(gate, 1.0)
+    assert not _gates._pending and lease.incomplete is None
+
+
+def test_a_wait_for_a_live_producers_word_stays_until_reached(words):
+    producer_words, gate, lease = _watched(alive=True, word=6, value=7)
+    _gates._check_word(gate, 1.0)
+    assert list(_gates._pending.values()) == [gate] and producer_words.read(3) == 6
+
+
+def test_a_wait_for_a_gone_producers_word_is_released_and_its_open_marked(words):
+    producer_words, gate, lease = _watched(alive=False, word=6, value=7)
+    with pytest.warns(RuntimeWarning, match=r"pid 4242\) exited"):
+        _gates._check_word(gate, 1.0)
+    assert producer_words.read(3) == 7 and not _gates._pending  # the stream goes on
+    assert lease.incomplete[0] == 4242 and "exited before" in lease.incomplete[1]
+
+
+def test_a_gone_producers_word_reached_before_it_exited_marks_nothing(words):
+    producer_words, gate, lease = _watched(alive=False, word=8, value=7)
+    _gates._check_word(gate, 1.0)
+    assert not _gates._pending and lease.incomplete is None

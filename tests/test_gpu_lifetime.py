@@ -382,6 +382,7 @@ def test_the_cached_events_of_a_producer_found_exited_are_destroyed(remote):
     import cupy_ipc
 
     producer, consumer = remote(), remote()
+    consumer.call("without_words")  # so that it opens the producer's event, not its word
     data = producer.call("export_after_spin", N, 0.5, True)  # exported while its stream was busy
     assert cupy_ipc.IpcArrayHandle.from_bytes(data).synced
     assert consumer.call("read_first", data) == 7
@@ -594,3 +595,52 @@ def test_an_export_interrupted_before_its_handle_exists_leaves_nothing_pinned(mo
     h = cupy_ipc.get_ipc_handle(a)  # and the array exports as before
     assert h.keepalive and {p.export_id for p in cupy_ipc.pinned()} - before
     h.release()
+
+
+def test_a_consumers_stream_goes_on_once_the_producers_work_is_done_with_no_thread_of_it_involved(remote):
+    # The producer's GPU writes the export's word once its work is done, and the consumer's stream waits for that
+    # word on the GPU: it goes on with the library's thread in the consumer unable to run (its lock held), as a
+    # thread starved of the GIL by Python that the consumer runs would be.
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    data = producer.call("export_after_spin", N, 1.5, True)
+    consumer.call("hold_open", data, "x")
+    out = consumer.call("read_holding_the_library_thread", "x", timeout=10.0)
+    assert out["value"] == 7.0 and out["took"] > 0.5, out
+    assert consumer.call("read_then_close", "x")["error"] is None
+
+
+def test_a_stream_waiting_for_a_word_of_its_own_needs_the_librarys_thread(remote):
+    # The negative control of the test above: with the producer writing no word, the consumer's stream waits for
+    # a word of its own, which only the library's thread sets, so the read never returns while it cannot run.
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    producer.call("without_words")
+    data = producer.call("export_after_spin", N, 1.5, True)
+    consumer.call("hold_open", data, "x")
+    with pytest.raises(TimeoutError):
+        consumer.call("read_holding_the_library_thread", "x", timeout=6.0)
+    consumer.kill()
+
+
+@pytest.mark.parametrize("equal", [False, True], ids=["cyclic", "equal-negative-control"])
+def test_a_stream_that_reaches_its_wait_after_its_word_was_handed_out_again_goes_on(remote, equal):
+    # A stream queued behind its own work reaches its wait for a word of its process only after the library's
+    # thread has set that word (the producer's work done) and handed it out again to a later open, whose value
+    # it then holds. Compared for equality, that first wait would never end; compared cyclically (>=), it does.
+    producer, consumer = remote(), remote()
+    consumer.call("warm_up")
+    producer.call("without_words")  # so the consumer's streams wait for words of its own
+    if equal:
+        consumer.call("with_equal_waits")
+    # The first export's work is done 1 s on, the second's 2.5 s on; the consumer opens the first at once and the
+    # second 1.5 s on, and its own work keeps the first open's stream busy for 5 s.
+    first, second = producer.call("export_two_after_spins", N, 1.0, 1.5)
+    if equal:
+        with pytest.raises(TimeoutError):
+            consumer.call("open_behind_own_work_then_another", first, second, 5.0, 1.5, timeout=14.0)
+        consumer.kill()
+        return
+    out = consumer.call("open_behind_own_work_then_another", first, second, 5.0, 1.5, timeout=14.0)
+    assert out["words"][0] == out["words"][1] and len(out["words"][0]) == 1, out  # the case this is about
+    assert out["values"] == [3.0, 4.0] and out["took"] > 4.0, out

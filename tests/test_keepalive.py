@@ -40,7 +40,7 @@ def _forget(tokens: list[bytes], producers: list[Segment]) -> None:
 
 def _leased_pin(lease: float) -> tuple[int, int]:
     """``(export id, slot)`` of a pin with a lease and no memory or ordering event."""
-    export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, lease, None, ((16,), "float32"))
+    export_id, slot, *_ = _keepalive.pin(None, (0, 64, 0), 0, 1, lease, None, ((16,), "float32"))
     return export_id, slot
 
 
@@ -89,7 +89,7 @@ def test_a_stale_open_of_a_reused_slot_leaves_the_claim_of_its_new_export(consum
     e1, s1 = _leased_pin(0.05)
     assert _eventually(lambda: _revoked(s1))
     _keepalive.sweep()  # E1 ends; its slot is free
-    e2, s2, _ = _keepalive.pin(None, (0, 64, 0), 0, consumers, None, None, ((16,), "float32"))
+    e2, s2, *_ = _keepalive.pin(None, (0, 64, 0), 0, consumers, None, None, ((16,), "float32"))
     assert s2 == s1
     consumer = Segment.attach(token, pid=pid)  # a consumer's own open file
     try:
@@ -313,7 +313,7 @@ from cupy_ipc import _keepalive, _sent
 
 def send_and_end():
     _sent.set_exit_wait(0.5)
-    export_id, _, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+    export_id, *_ = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
     _sent.note(export_id)  # as a message carrying the array does; nobody receives it
 
 if __name__ == "__main__":
@@ -362,7 +362,7 @@ def test_a_lease_thread_that_cannot_start_leaves_no_pin_and_is_started_by_a_late
         finally:
             threading.Thread.start = real
         print(len(_keepalive._pins))
-        export_id, slot, _ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.05, None, ((16,), "float32"))
+        export_id, slot, *_ = _keepalive.pin(None, (0, 64, 0), 0, 1, 0.05, None, ((16,), "float32"))
         seg = _segment.own_segment(this_process().token)
         end = time.monotonic() + 10
         while time.monotonic() < end and seg.read(slot)[2] & _segment.STATE != _segment.REVOKED:

@@ -264,7 +264,7 @@ def test_size_is_exact_up_to_the_limit():
 
 
 @pytest.mark.parametrize("flags, keepalive, synced",
-                         [(0, False, False), (1, True, False), (2, False, True), (3, True, True)])
+                         [(0, False, False), (1, True, False), (2, False, True), (3, True, True), (7, True, True)])
 def test_flags_from_the_wire(flags, keepalive, synced):
     data = bytearray(make().to_bytes())
     data[struct.calcsize("<4sHB")] = flags  # the flags byte follows magic, version and kind
@@ -272,6 +272,14 @@ def test_flags_from_the_wire(flags, keepalive, synced):
     assert (h.keepalive, h.synced) == (keepalive, synced)
     assert h.to_bytes() == bytes(data)
     assert (h == make()) == (flags == 0)
+
+
+@pytest.mark.parametrize("bit", [8, 0x80])
+def test_an_unknown_flag_is_refused(bit):
+    data = bytearray(make().to_bytes())
+    data[struct.calcsize("<4sHB")] = 3 | bit
+    with pytest.raises(HandleError, match=f"unknown flag bits 0x{bit:x}"):
+        IpcArrayHandle.from_bytes(bytes(data))
 
 
 def test_constructor_converts_field_values():

@@ -127,6 +127,7 @@ def warm_up() -> None:
     a.fill(1)
     a += 1
     float(a.sum())
+    float((a[:1] * 1)[0])
     cupy.cuda.runtime.deviceSynchronize()
 
 
@@ -194,7 +195,7 @@ def open_failing(data: bytes, step: str) -> dict[str, Any]:
     from cupy_backends.cuda.api.runtime import CUDARuntimeError
 
     import cupy_ipc
-    from cupy_ipc import _array_handle, _cuda, _mapping
+    from cupy_ipc import _array_handle, _cuda, _mapping, _words
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise CUDARuntimeError(205)  # cudaErrorMapBufferObjectFailed
@@ -207,11 +208,12 @@ def open_failing(data: bytes, step: str) -> dict[str, Any]:
     def failing_open(name: str, *argtypes: Any) -> Any:  # the driver's open fails: CUDA_ERROR_MAP_FAILED
         return (lambda out, handle, flags: 205) if name == "cuIpcOpenMemHandle_v2" else libcuda_fn(name, *argtypes)
 
-    target, name, stub = {"import": (_cuda, "_libcuda_fn", failing_open),
-                          "event": (_array_handle, "open_cached", failing),
-                          "copy": (cupy.cuda, "alloc", out_of_memory)}.get(step, (None, "", None))
-    real = getattr(target, name) if target is not None else None
-    if target is not None:
+    patches = {"import": [(_cuda, "_libcuda_fn", failing_open)],
+               # the ordering step: the producer's word where it writes one, else its event
+               "event": [(_array_handle, "open_cached", failing), (_words, "of_producer", failing)],
+               "copy": [(cupy.cuda, "alloc", out_of_memory)]}.get(step, [])
+    reals = [(target, name, getattr(target, name)) for target, name, _ in patches]
+    for target, name, stub in patches:
         setattr(target, name, stub)
     error: BaseException | None = None
     try:
@@ -220,7 +222,7 @@ def open_failing(data: bytes, step: str) -> dict[str, Any]:
     except Exception as e:
         error = e
     finally:
-        if target is not None:
+        for target, name, real in reals:
             setattr(target, name, real)
     return {"error": f"{type(error).__name__}: {error}", "counts": _mapping.counts()}
 
@@ -439,9 +441,79 @@ def event_after_spin(seconds: float) -> bytes:
 
 def without_gates() -> None:
     """Make opens wait on the producer's event itself, as CUDA IPC does by hand (a negative control)."""
-    from cupy_ipc import _gates
+    from cupy_ipc import _gates, _words
 
     _gates._unsupported = True
+    _words.disabled = True
+
+
+def without_words() -> None:
+    """Have this process's exports write no word, and its opens wait on no producer's: a stream then waits on a
+    word of its own process, set by the library's thread once it sees the event completed (as before words)."""
+    from cupy_ipc import _words
+
+    _words.disabled = True
+
+
+def with_equal_waits() -> None:
+    """Make this process's streams wait for their own words with CUDA's ``EQ`` comparison (a negative control)."""
+    from cupy_ipc import _gates
+
+    _gates._GEQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+
+
+def export_two_after_spins(n: int, first: float, second: float) -> list[bytes]:
+    """Two arrays filled on this process's stream, after ``first`` seconds and ``first + second`` seconds of
+    spinning, exported at once with no host sync."""
+    import cupy
+
+    import cupy_ipc
+
+    warm_up()
+    arrays = [cupy.zeros(n, cupy.float32) for _ in range(2)]
+    cupy.cuda.runtime.deviceSynchronize()
+    out = []
+    for a, seconds, value in zip(arrays, (first, second), (3, 4)):
+        spin(seconds)
+        a.fill(value)
+        _held.setdefault("exported", []).append(a)
+        out.append(cupy_ipc.get_ipc_handle(a).to_bytes())
+    return out
+
+
+def open_behind_own_work_then_another(first: bytes, second: bytes, own: float, gap: float) -> dict:
+    """Open ``first`` on a stream of ours queued behind ``own`` seconds of our own work, ``gap`` seconds later
+    ``second`` on another stream, then wait for both streams: the values read and how long the waits took. The
+    first open's wait, still queued when its producer's work is done, is made before the second's."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, _gates
+
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    spin(own, streams[0])
+    values, words = [], []
+    t0 = time.monotonic()
+    for data, stream in zip((first, second), streams):
+        with stream:
+            arr = IpcArrayHandle.from_bytes(data).open()
+            words.append(sorted(g.word for g in list(_gates._pending.values()) if g.words is None))
+            values.append(arr[:1] * 1)  # read on that stream, after its wait
+        time.sleep(gap)
+    for stream in streams:
+        stream.synchronize()
+    return {"values": [float(v[0]) for v in values], "took": time.monotonic() - t0, "words": words}
+
+
+def read_holding_the_library_thread(name: str) -> dict:
+    """Read the first element of a :func:`hold_open` array while holding the lock that the library's waiting
+    thread needs for anything it does: only a stream released on the GPU can go on then."""
+    from cupy_ipc import _gates
+
+    handle, arr, recording, caught = _held[name]
+    t0 = time.monotonic()
+    with _gates._cond:
+        value = float(arr[0])
+    return {"value": value, "took": time.monotonic() - t0}
 
 
 def read_held(name: str) -> np.ndarray:
