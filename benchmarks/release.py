@@ -223,6 +223,39 @@ def measure(method: str, busy: bool, spins_ms: list[float], iters: int) -> dict[
             proc.kill()
 
 
+def run(spins_ms: list[float], methods: list[str], iters: int) -> list[dict[str, Any]]:
+    """Every method with the consumer idle, then busy: one row each, ``{"consumer", "method", "late": {spin ms:
+    {"median_us", "p90_us"}}}``, each printed once measured."""
+    rows = []
+    for busy in (False, True):
+        for method in methods:
+            late = measure(method, busy, spins_ms, iters)
+            row = {"consumer": "busy" if busy else "idle", "method": method,
+                   "late": {s: {"median_us": statistics.median(v), "p90_us": statistics.quantiles(v, n=10)[-1]}
+                            for s, v in late.items()}}
+            rows.append(row)
+            print(f"release: {markdown([row]).splitlines()[-1]}", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a table: how late, median µs (p90), by the producer's work.
+
+    Example:
+        >>> print(markdown([{"consumer": "idle", "method": "raw", "late": {1.0: {"median_us": 140.0, "p90_us": 141.0}}}]))
+        | consumer | method | 1 ms: median µs (p90) |
+        |---|---|---:|
+        | idle | raw | 140.0 (141.0) |
+    """
+    spins = list(rows[0]["late"]) if rows else []
+    lines = ["| consumer | method | " + " | ".join(f"{float(s):g} ms: median µs (p90)" for s in spins) + " |",
+             "|---|---|" + "---:|" * len(spins)]
+    for row in rows:
+        cells = [f"{c['median_us']:.1f} ({c['p90_us']:.1f})" for c in row["late"].values()]
+        lines.append(f"| {row['consumer']} | {row['method']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spins", default="1,10,100", help="the producer's work before its stamp, ms")
@@ -239,14 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"release: no GPU: {reason}", file=sys.stderr)
         return 1
-    spins = [float(s) for s in args.spins.split(",")]
-    print("| consumer | method | " + " | ".join(f"{s:g} ms: median µs (p90)" for s in spins) + " |")
-    print("|---|---|" + "---:|" * len(spins), flush=True)
-    for busy in (False, True):
-        for method in methods:
-            late = measure(method, busy, spins, args.iters)
-            cells = [f"{statistics.median(v):.1f} ({statistics.quantiles(v, n=10)[-1]:.1f})" for v in late.values()]
-            print(f"| {'busy' if busy else 'idle'} | {method} | " + " | ".join(cells) + " |", flush=True)
+    print(markdown(run([float(s) for s in args.spins.split(",")], methods, args.iters)))
     return 0
 
 

@@ -8,7 +8,9 @@ Runs, on a GPU machine and in one go:
    then the same messages for each size again, every method in turn in short
    runs through one consumer, and the median of the paired runs' ratios
    (``paired.py``), which moves far less between runs;
-2. event ping-pong between two processes (``events.py``);
+2. event ping-pong between two processes (``events.py``), and how late a
+   consumer's stream goes on once the producer's work is done, with raw calls
+   and with cupy_ipc (``release.py``);
 3. read bandwidth of a consumer on a mapped array against a local copy, and
    with two GPUs, peer reads (``bandwidth.py``);
 4. with two or more GPUs, the cross-device open matrix: every GPU reading
@@ -44,6 +46,7 @@ import events  # noqa: E402
 import paired  # noqa: E402
 import peer_matrix  # noqa: E402
 import plots  # noqa: E402
+import release  # noqa: E402
 import roundtrip  # noqa: E402
 
 
@@ -66,6 +69,10 @@ def markdown(doc: dict[str, Any]) -> str:
         out += [f"| {names.get(k, k)} | {v['median_us']:.1f} | {v['p10_us']:.0f}–{v['p90_us']:.0f} |"
                 for k, v in e.items()]
         out.append("")
+    if "release" in doc:
+        out += ["### How late a consumer's stream goes on once the producer's work is done", "",
+                "By the producer's work before it; *busy*: the consumer runs Python meanwhile.", "",
+                release.markdown(doc["release"]), ""]
     if "bandwidth" in doc:
         b = doc["bandwidth"]
         out += ["### Consumer read bandwidth", "", "| read | GB/s |", "|---|---:|",
@@ -157,7 +164,7 @@ def start_watchdog(seconds: float) -> None:
     faulthandler.dump_traceback_later(seconds + 30, exit=True)
 
 
-STEPS = ("roundtrip", "paired", "events", "bandwidth", "peer_matrix", "all_gather")
+STEPS = ("roundtrip", "paired", "events", "release", "bandwidth", "peer_matrix", "all_gather")
 
 
 def failures(name: str, result: Any) -> list[str]:
@@ -193,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paired-sizes", default="4KiB,1MiB,64MiB,1GiB")
     parser.add_argument("--paired-iters", type=int, default=300, help="messages of each method and kind")
     parser.add_argument("--pingpong-iters", type=int, default=2000)
+    parser.add_argument("--release-spins", default="1,10", help="the producer's work before its stamp, ms")
+    parser.add_argument("--release-iters", type=int, default=10)
     parser.add_argument("--bandwidth-bytes", default="1GiB")
     parser.add_argument("--all-gather-iters", type=int, default=100, help="on 2 or more GPUs, with PyTorch")
     parser.add_argument("--peer-bytes", default="256MiB", help="array size of the cross-device matrix")
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         ("paired", lambda: [paired.run(args.paired_methods.split(","), roundtrip.parse_size(size), args.paired_iters,
                                        paired.WARMUP) for size in args.paired_sizes.split(",")]),
         ("events", lambda: events.run(args.pingpong_iters, max(1, args.pingpong_iters // 10))),
+        ("release", lambda: release.run([float(x) for x in args.release_spins.split(",")], list(release.METHODS),
+                                        args.release_iters)),
         ("bandwidth", lambda: bandwidth.run(roundtrip.parse_size(args.bandwidth_bytes))),
     ]
     if env["gpus"] > 1:

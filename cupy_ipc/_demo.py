@@ -141,7 +141,7 @@ def run_demo() -> int:
         _timed("send the handle (273 bytes + 16 per dimension)", lambda: conn.send(("open", handle.to_bytes())), rows)
         t = time.perf_counter()
         opened, got = _expect(conn, "opened")
-        rows.append(("consumer: first open in the process (map + wait on producer's event)", opened))
+        rows.append(("consumer: first open in the process (map + wait for the producer's work)", opened))
         rows.append(("round trip: send, open, sum, answer", time.perf_counter() - t))
         if got != expected:
             raise RuntimeError(f"consumer read sum {got}, expected {expected}")

@@ -165,7 +165,7 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
     r = subprocess.run(
         [sys.executable, str(SUITE), "--sizes", "4KiB", "--iters", "4", "--rounds", "1", "--warmup", "1",
          "--methods", "bare,raw,cupy_ipc,cupy_ipc-unsafe,mp,pool,vmm", "--paired-iters", "4", "--paired-sizes",
-         "4KiB,1MiB", "--pingpong-iters", "20",
+         "4KiB,1MiB", "--pingpong-iters", "20", "--release-spins", "1", "--release-iters", "3",
          "--bandwidth-bytes", "16MiB",
          "--all-gather-iters", "5", "--peer-bytes", "4MiB", "--out", str(tmp_path), "--watchdog", "150"],
         capture_output=True, text=True, timeout=200,
@@ -185,6 +185,9 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
             assert {"cupy_ipc ÷ raw", "mp ÷ raw"} <= set(case["paired"])
             assert all(r > 0 for r in case["paired"].values())
     assert doc["events"]["event"]["median_us"] > 0 and doc["events"]["raw"]["median_us"] > 0
+    assert [(row["consumer"], row["method"]) for row in doc["release"]] == [
+        (mode, method) for mode in ("idle", "busy") for method in ("raw", "raw-word", "cupy_ipc", "cupy_ipc-polled")]
+    assert all(cell["median_us"] > 0 for row in doc["release"] for cell in row["late"].values())
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
     if doc["environment"]["gpus"] > 1:
         n = doc["environment"]["gpus"]
