@@ -46,7 +46,7 @@ __all__ = [
     "with_allocation",
 ]
 
-VERSION = 1
+VERSION = 2  # 2: the flags bit 2 and the words at the start of the producer's segment file
 ARRAY_MAGIC = b"CIPA"
 EVENT_MAGIC = b"CIPE"
 MAX_NDIM = 64

@@ -940,7 +940,7 @@ BAD_DTYPES = [">f4", ">i8", "|O", "<U1", "|S2", "|V4", "<M8", "<m8", "zz", "", "
 
 def reference_verdict(kind, flags, dtype_text, shape, strides, offset, allocation_size):
     """Whether a handle is safe, computed without cupy_ipc: by visiting every element."""
-    if flags & ~3:  # only the keep-alive and event bits are defined
+    if flags & ~7:  # only the keep-alive, event and word bits are defined
         return False
     if kind not in (Kind.LEGACY, Kind.EMPTY) or dtype_text not in CANONICAL_DTYPES or len(shape) > 64:
         return False
@@ -977,7 +977,7 @@ def wire_headers(draw):
     allocation_size = draw(st.integers(0, 4096) | st.integers(0, 128))
     host = draw(st.text(string.ascii_letters + string.digits + "-.", max_size=32)).encode()
     values = dict(kind=kind, dtype=dtype_text.encode(), offset=offset, allocation_size=allocation_size, host=host,
-                  flags=draw(st.sampled_from([0, 1, 2, 3] * 8) | st.integers(0, 255)),
+                  flags=draw(st.sampled_from([0, 1, 2, 3, 7] * 8) | st.integers(0, 255)),
                   base_ptr=draw(st.integers(0, 2**64 - 1)),
                   export_id=draw(st.integers(0, 2**64 - 1)), slot=draw(st.integers(0, 2**32 - 1)),
                   pid=draw(st.integers(-(2**31), 2**31 - 1)), ordinal=draw(st.integers(-(2**31), 2**31 - 1)),

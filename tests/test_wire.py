@@ -549,7 +549,7 @@ def test_bytes_longer_than_any_handle_are_refused_before_they_are_copied(make, p
 
     from cupy_ipc._wire import MAX_WIRE_BYTES
 
-    data = make(b"CIPA\x01\x00" + bytes(8 << 20))
+    data = make(b"CIPA" + struct.pack("<H", VERSION) + bytes(8 << 20))
     tracemalloc.start()
     try:
         with pytest.raises(HandleError, match=f"more than any handle has \\({MAX_WIRE_BYTES}\\)"):
