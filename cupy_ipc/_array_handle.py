@@ -847,7 +847,7 @@ class IpcArrayHandle:
     device = property(lambda self: self._f.device, doc="The producer's ``DeviceId(ordinal, uuid)``.")
     producer = property(lambda self: self._f.producer, doc="``Producer(pid, token, boot_id, host)``.")
     keepalive = property(lambda self: bool(self._f.flags & FLAG_KEEPALIVE), doc="The producer pins the memory.")
-    synced = property(lambda self: bool(self._f.flags & FLAG_EVENT), doc="open() waits on the producer's event.")
+    synced = property(lambda self: bool(self._f.flags & FLAG_EVENT), doc="open() waits for the producer's work.")
     ndim = property(lambda self: len(self._f.shape), doc="Number of dimensions.")
     size = property(lambda self: int(np.prod(self._f.shape, dtype=object)), doc="Number of elements.")
     nbytes = property(lambda self: self.size * self._f.dtype.itemsize, doc="Bytes of its elements (size × itemsize).")
