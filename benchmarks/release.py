@@ -43,6 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from roundtrip import receive  # noqa: E402 - the benchmark modules sit next to this script
 
+from cupy_ipc._cuda import _libcuda_fn  # noqa: E402
+
 METHODS = ("raw", "raw-word", "cupy_ipc", "cupy_ipc-polled")
 SOURCE = r"""
 extern "C" __global__ void spin_stamp(unsigned long long ns, long long* stamp) {
@@ -69,12 +71,6 @@ def _kernels() -> tuple[Any, Any]:
     return module.get_function("spin_stamp"), module.get_function("late")
 
 
-def _libcuda(name: str, *argtypes: Any) -> Any:
-    fn = ctypes.CDLL("libcuda.so.1")[name]
-    fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    return fn
-
-
 _registered: dict[str, tuple[mmap.mmap, int]] = {}
 
 
@@ -99,7 +95,7 @@ def _registered_word(path: str) -> tuple[mmap.mmap, int]:
     finally:
         os.close(fd)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-    err = _libcuda("cuMemHostRegister_v2", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)(
+    err = _libcuda_fn("cuMemHostRegister_v2", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)(
         addr, _WORD_FILE_BYTES, _REGISTER_FLAGS)
     if err:
         raise RuntimeError(f"cuMemHostRegister failed: {err}")
@@ -119,7 +115,7 @@ def _consumer(method: str, busy: bool, conn: Any) -> None:
     late((1,), (1,), (scratch, out))
     cupy.cuda.Device().synchronize()
     stream = cupy.cuda.get_current_stream()
-    wait_value = _libcuda("cuStreamWaitValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
+    wait_value = _libcuda_fn("cuStreamWaitValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
     mapped: dict[bytes, Any] = {}
     word = None
     conn.send("ready")
@@ -186,7 +182,7 @@ def measure(method: str, busy: bool, spins_ms: list[float], iters: int) -> dict[
         rt = cupy.cuda.runtime
         event = rt.eventCreateWithFlags(rt.eventInterprocess | rt.eventDisableTiming)
         event_handle = bytes(rt.ipcGetEventHandle(event))
-        write_value = _libcuda("cuStreamWriteValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+        write_value = _libcuda_fn("cuStreamWriteValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
                                ctypes.c_uint)
         word = None
         if method == "raw-word":

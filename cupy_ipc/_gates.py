@@ -49,8 +49,8 @@ from ._errors import ProducerExitedError, warn_quietly
 __all__ = ["host_wait", "incomplete", "pending", "poll_interval", "wait", "wait_for", "wait_word"]
 
 _WORDS = 4096  # waits at once; past that, opens wait on the event itself
-_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, cyclic (EQ would hang a stream that reaches
-# its wait only once its word has been handed out again and set to a later value)
+_GEQ = _words.GEQ  # cyclic >=: EQ would hang a stream that reaches its wait only once its word has been handed
+# out again and set to a later value
 _HOST_ALLOC_FLAGS = 0x01 | 0x02  # CU_MEMHOSTALLOC_PORTABLE (every context) | CU_MEMHOSTALLOC_DEVICEMAP
 _LIVENESS_EVERY = 0.02  # seconds between checks that a waited-on producer still lives
 
@@ -140,7 +140,7 @@ def _queued(word: int, event: Any, stream_ptr: int, device: int, segment: Any, p
     gate = None
     try:
         gate = _Gate(word, value, event, device, segment, pid, lease)
-        if _cuda._in_context(device, _wait_value(), stream_ptr, _base + 4 * word, value, _GEQ):
+        if _cuda._in_context(device, _words.wait_fn(), stream_ptr, _base + 4 * word, value, _GEQ):
             return False
         with _cond:
             _pending[word] = gate
@@ -185,11 +185,6 @@ def _exited_first(event: Any, segment: Any) -> bool:
     return _cuda.rt().eventQuery(event.ptr) != 0  # (not done just before it exited)
 
 
-def _wait_value() -> Any:
-    return _cuda._libcuda_fn("cuStreamWaitValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
-                             ctypes.c_uint)
-
-
 def _take(device: int) -> int | None:
     """A free word, its next value counted up; ``None`` where there are none (or cannot be)."""
     with _cond:
@@ -214,7 +209,7 @@ def _make(device: int) -> None:
     alloc = _cuda._libcuda_fn("cuMemHostAlloc", ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
     device_ptr = _cuda._libcuda_fn("cuMemHostGetDevicePointer_v2", ctypes.POINTER(ctypes.c_uint64),
                                    ctypes.c_void_p, ctypes.c_uint)
-    if alloc is None or device_ptr is None or _wait_value() is None:
+    if alloc is None or device_ptr is None or _words.wait_fn() is None:
         return
     host, dev = ctypes.c_void_p(), ctypes.c_uint64()
     if _cuda._in_context(device, alloc, ctypes.byref(host), 4 * _WORDS, _HOST_ALLOC_FLAGS) or not host.value:

@@ -46,7 +46,7 @@ COUNT = 4096
 BYTES = 4 * COUNT
 _U32 = struct.Struct("<I")
 _REGISTER_FLAGS = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE (every context) | CU_MEMHOSTREGISTER_DEVICEMAP
-_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, cyclic
+GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, cyclic
 disabled = False  # exports here write no word, and opens here wait for no producer's: for comparison
 _lock = threading.Lock()
 _fns: dict[str, Any] = {}
@@ -73,7 +73,8 @@ def _write_fn() -> Any:
     return _fn("cuStreamWriteValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
 
 
-def _wait_fn() -> Any:
+def wait_fn() -> Any:
+    """``cuStreamWaitValue32`` through ``ctypes`` (looked up once), or ``None`` where libcuda lacks it."""
     return _fn("cuStreamWaitValue32_v2", ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint)
 
 
@@ -109,7 +110,7 @@ def _register(fd: int, device: int) -> Words | None:
     """The first :data:`BYTES` of segment file ``fd`` mapped and registered with CUDA, or ``None`` where that
     cannot be (stream memory operations unsupported, no room to pin, a file too short)."""
     register = _fn("cuMemHostRegister_v2", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
-    if register is None or _write_fn() is None or _wait_fn() is None:
+    if register is None or _write_fn() is None or wait_fn() is None:
         return None
     try:
         mm = mmap.mmap(fd, BYTES)
@@ -162,4 +163,4 @@ def write(seg: Any, stream_ptr: int, slot: int, export_id: int, device: int) -> 
 def wait(words: Words, stream_ptr: int, slot: int, value: int) -> bool:
     """Consumer: have ``stream_ptr`` (current GPU's) wait for word ``slot`` of ``words`` to reach ``value``;
     False where the driver refused."""
-    return _wait_fn()(stream_ptr, words.base + 4 * slot, value, _GEQ) == 0
+    return wait_fn()(stream_ptr, words.base + 4 * slot, value, GEQ) == 0
