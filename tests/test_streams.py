@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from cupy_ipc import IpcError, _array_handle, _cuda, _keepalive, _mapping, _reaper
+from cupy_ipc import IpcError, _array_handle, _cuda, _keepalive, _mapping, _reaper, _words
 
 STREAMS = {0: 0xA0, 1: 0xB1}  # each GPU's current CuPy stream (CuPy keeps one per device)
 DEVICE_OF = {0xA0: 0, 0xB1: 1}
@@ -78,6 +78,11 @@ def gpus(monkeypatch, libcuda):
                         ("_exported", collections.OrderedDict()), ("_device_ids", {})):
         monkeypatch.setattr(_array_handle, name, value)
     monkeypatch.setattr(_keepalive, "_event_pool", {})
+    # The pins made here hold fake events, which a later sweep (cupy_ipc.collect) would hand to the real driver
+    # (on a GPU machine: a crash); and no fake stream may reach a real driver's stream write through the words
+    # (whose functions _words keeps once looked up, past the libcuda fixture).
+    monkeypatch.setattr(_keepalive, "_pins", {})
+    monkeypatch.setattr(_words, "disabled", True)
     yield runtime
     for pool in _keepalive._event_pool.values():  # fake events: no destroy with the real runtime
         for ev in pool:
