@@ -19,7 +19,11 @@ Methods:
 - ``cupy_ipc``: ``get_ipc_handle`` / ``IpcArrayHandle.open`` with the defaults;
 - ``cupy_ipc-polled``: the same with the producer writing no word, so the
   consumer's stream waits for a word of its own that the library's thread sets
-  once it sees the event completed.
+  once it sees the event completed;
+- ``event``: the buffer sent once; each message, the producer records a
+  ``cupy_ipc.IpcEvent`` (exported before its first record) after its work and
+  the consumer's stream waits for it with ``IpcEvent.wait``;
+- ``event-polled``: the same with the producer writing no word for the event.
 
 Usage::
 
@@ -45,7 +49,7 @@ from roundtrip import receive  # noqa: E402 - the benchmark modules sit next to 
 
 from cupy_ipc._cuda import _libcuda_fn  # noqa: E402
 
-METHODS = ("raw", "raw-word", "cupy_ipc", "cupy_ipc-polled")
+METHODS = ("raw", "raw-word", "cupy_ipc", "cupy_ipc-polled", "event", "event-polled")
 SOURCE = r"""
 extern "C" __global__ void spin_stamp(unsigned long long ns, long long* stamp) {
     unsigned long long t0, t;
@@ -141,6 +145,12 @@ def _consumer(method: str, busy: bool, conn: Any) -> None:
                 wait_value(stream.ptr, word[1], msg["value"], _GEQ)
             late((1,), (1,), (stamp, out))
             del stamp
+        elif method.startswith("event"):
+            if "event" not in mapped:
+                mapped["event"] = cupy_ipc.IpcEventHandle.from_bytes(msg["event"]).open()
+                mapped["stamp"] = cupy_ipc.IpcArrayHandle.from_bytes(msg["handle"]).open()
+            mapped["event"].wait(stream)
+            late((1,), (1,), (mapped["stamp"], out))
         else:
             with cupy_ipc.IpcArrayHandle.from_bytes(msg["handle"]) as stamp:
                 late((1,), (1,), (stamp, out))
@@ -171,7 +181,7 @@ def measure(method: str, busy: bool, spins_ms: list[float], iters: int) -> dict[
     stream = cupy.cuda.get_current_stream()
     out: dict[float, list[float]] = {s: [] for s in spins_ms}
     polled = None
-    if method == "cupy_ipc-polled":  # the producer's words off: the consumer polls the event
+    if method.endswith("-polled"):  # the producer's words off: the consumer polls the event
         from cupy_ipc import _words as polled
 
         polled.disabled = True
@@ -189,6 +199,10 @@ def measure(method: str, busy: bool, spins_ms: list[float], iters: int) -> dict[
             word_path = _word_file()
             word = _registered_word(word_path)
         value = int.from_bytes(word[0][:4], "little") if word is not None else 0
+        if method.startswith("event"):
+            ipc_event = cupy_ipc.IpcEvent()
+            sent = {"event": ipc_event.get_ipc_handle().to_bytes(),
+                    "handle": cupy_ipc.get_ipc_handle(stamp, keepalive=False, sync=False).to_bytes()}
         for _ in range(iters + 2):  # two warm-up messages
             for s in spins_ms:
                 spin((1,), (1,), (cupy.uint64(int(s * 1e6)), stamp))
@@ -196,6 +210,9 @@ def measure(method: str, busy: bool, spins_ms: list[float], iters: int) -> dict[
                 if method == "raw":
                     rt.eventRecord(event, stream.ptr)
                     msg.update(handle=handle, event=event_handle)
+                elif method.startswith("event"):
+                    ipc_event.record(stream)
+                    msg.update(sent)
                 elif method == "raw-word":
                     value += 1
                     err = write_value(stream.ptr, word[1], value, 0)

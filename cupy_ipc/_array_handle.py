@@ -647,7 +647,7 @@ def _wait_for_export(f: ArrayFields, device: int, stream_ptr: int, seg: Any, lea
     ``f``'s export orders, unless it is done: for the producer's word where it writes one (see ``_words``),
     else for its event; either way released if the producer dies first (see ``_gates``)."""
     producer = f.producer
-    if f.flags & FLAG_WORD and f.slot < _words.COUNT and not _words.disabled:
+    if f.flags & FLAG_WORD and f.slot < _words.SLOTS and not _words.disabled:
         words = _words.of_producer(seg, device)
         if words is not None:
             value = _words.value_of(f.export_id)

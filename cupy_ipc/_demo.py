@@ -137,6 +137,7 @@ def run_demo() -> int:
         expected = float(view.sum())
         handle = _timed("export the array (get_ipc_handle)", lambda: cupy_ipc.get_ipc_handle(view), rows)
         ev = cupy_ipc.IpcEvent()
+        ev_data = ev.get_ipc_handle().to_bytes()  # before its record: the record then writes its word too
         stream = cupy.cuda.Stream(non_blocking=True)
         _timed("send the handle (273 bytes + 16 per dimension)", lambda: conn.send(("open", handle.to_bytes())), rows)
         t = time.perf_counter()
@@ -149,7 +150,7 @@ def run_demo() -> int:
             view *= 2
             ev.record(stream)
         t = time.perf_counter()
-        conn.send(("event", ev.get_ipc_handle().to_bytes()))
+        conn.send(("event", ev_data))
         doubled, done_data = _expect(conn, "doubled")
         rows.append(("event round trip: write, record, consumer waits on GPU", time.perf_counter() - t))
         if doubled != 2 * expected:

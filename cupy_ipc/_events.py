@@ -9,7 +9,7 @@ import threading
 import weakref
 from typing import Any
 
-from . import _cuda, _fork, _gates, _segment
+from . import _cuda, _fork, _gates, _segment, _words
 from ._errors import ClosedError, HandleError, IpcError, ProducerExitedError, warn_quietly
 from ._identity import Producer, this_process
 from ._wire import DeviceId, EventFields, pack_event, unpack_event
@@ -59,7 +59,8 @@ class IpcEvent:
         >>> ev.close()                                    # doctest: +SKIP
     """
 
-    __slots__ = ("_ptr", "_device", "_block", "_handle", "_opened", "_finalizer", "__weakref__")
+    __slots__ = ("_ptr", "_device", "_block", "_handle", "_opened", "_finalizer", "_words", "_words_back",
+                 "__weakref__")
 
     def __init__(self, *, block: bool = False) -> None:
         _fork.check()
@@ -96,12 +97,18 @@ class IpcEvent:
         self._block = block
         self._handle = handle
         self._opened = opened
+        self._words: "_words.EventWords | None" = None  # once exported, if created here (see _words)
+        self._words_back: Any = None  # gives the pair back, once: at close or collection
         self._finalizer = weakref.finalize(self, _destroy, event, device)
         self._finalizer.atexit = False  # the driver frees everything at exit
 
     @property
     def ptr(self) -> int:
-        """The raw ``cudaEvent_t``, for ``cupy.cuda.Stream.wait_event``."""
+        """The raw ``cudaEvent_t``, for ``cupy.cuda.Stream.wait_event``.
+
+        Record an exported event with :meth:`record` only: consumers' streams
+        waiting on its word (see :meth:`wait`) would not see a record made
+        through the raw pointer."""
         _fork.check()  # the parent's event: no use in a child forked from it (every method comes through here)
         if not self._finalizer.alive:
             raise ClosedError("this IpcEvent is closed")
@@ -135,9 +142,26 @@ class IpcEvent:
         _cuda.check_default_stream_of(stream, stream_ptr, self._device, "the event")
         try:
             with _cuda.using_device(self._device):  # (a default stream acts on the current GPU)
-                _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, stream_ptr)
+                if self._words is not None:  # exported: its consumers' streams wait for its word
+                    _words.record_event(self._words, stream_ptr, lambda: _cuda.call(
+                        "recording an event", _cuda.rt().eventRecord, ptr, stream_ptr), _cuda.stream_idle(stream_ptr))
+                else:
+                    _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, stream_ptr)
         except IpcError as e:
             raise _cuda.of_another_gpu(e, stream_ptr, self._device, "the event") from e
+        if self._opened and self._handle is not None and self._handle._f.pair:
+            self._unworded()
+
+    def _unworded(self) -> None:
+        """Tell the consumers of the producer's word for this event that its latest record has none: made
+        here, in a consumer (they poll the event then)."""
+        try:
+            seg = _segment.attach(self._handle.producer.token, self._handle.producer.pid)
+        except ProducerExitedError:  # nobody waits for its words any more
+            return
+        words = _words.of_producer(seg, self._device)
+        if words is not None:
+            _words.mark_unworded(words, self._handle._f.pair - 1)
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for the event on the GPU; the host does not block.
@@ -145,6 +169,14 @@ class IpcEvent:
         An event opened from another process can be waited on by streams of
         its own GPU only (measured: a stream of another GPU waiting on it ends
         the process). For such a stream this waits on the host instead.
+
+        For an event created by :class:`IpcEvent` in another process and
+        recorded there with :meth:`record`, the stream waits for a word that
+        the producer's GPU writes once the work before the latest record is
+        done: it goes on as soon as that work is, with no thread of either
+        process involved. (Otherwise, for a record made on another stream
+        while the last one's work still ran, or made by a consumer, the
+        library's thread polls the event and releases the stream.)
 
         A stream that waits for an event opened from a handle is released if
         the producer is killed before the event's work has run (which then
@@ -163,13 +195,30 @@ class IpcEvent:
         producer = self._producer()
         if producer is not None:  # (a wait that the producer's death must not leave stuck)
             seg = self._producer_segment(producer)
-            if seg is not None:
+            if seg is not None and not self._wait_word(stream_ptr, stream_device, seg, producer.pid):
                 _gates.wait_for(self, stream_ptr, stream_device, seg, producer.pid, None)
         elif self._opened and stream_device != self._device:
             _cuda.call("synchronizing an event", runtime.eventSynchronize, ptr)
         else:
             with _cuda.using_device(stream_device):
                 _cuda.call("waiting on an event", runtime.streamWaitEvent, stream_ptr, ptr, 0)
+
+    def _wait_word(self, stream_ptr: int, stream_device: int, seg: Any, pid: int) -> bool:
+        """Make the stream wait on the GPU for the word the producer's GPU writes once the work before the
+        event's latest record is done (see ``_words``), if it writes one; False, nothing done, where not."""
+        pair = self._handle._f.pair - 1 if self._handle is not None else -1
+        if pair < 0 or stream_device != self._device or _words.disabled:
+            return False
+        words = _words.of_producer(seg, self._device)
+        if words is None or not _words.hold(seg):
+            return False
+        value = _words.event_value(words, pair)
+        if value is None:
+            return False
+        if not value:
+            return True  # its work is done
+        with _cuda.using_device(self._device):
+            return _gates.wait_word(words, _words.done_word(pair), value, stream_ptr, self._device, seg, pid, None)
 
     def synchronize(self) -> None:
         """Block the host until the work captured by the last record has finished.
@@ -218,9 +267,26 @@ class IpcEvent:
 
     def get_ipc_handle(self) -> "IpcEventHandle":
         """The handle another process opens this event with."""
+        return self._export(True)
+
+    def _export(self, words: bool) -> "IpcEventHandle":
+        """:meth:`get_ipc_handle`; with ``words`` (not for the library's pooled ordering events, which it records
+        itself), the first export of an event created here takes a pair of words for it (see ``_words``)."""
         ptr = self.ptr  # (which checks for a fork, also when the handle was made before it)
         if self._handle is None:
-            self._handle = export_event(ptr, self._device, self._block)
+            ew = None
+            if words and not self._opened:
+                ew = _words.take_pair(_segment.own_segment(this_process().token), self._device)
+            try:
+                self._handle = export_event(ptr, self._device, self._block, 0 if ew is None else ew.pair + 1)
+            except BaseException:
+                if ew is not None:
+                    _words.give_back(ew)
+                raise
+            if ew is not None:
+                self._words = ew
+                self._words_back = weakref.finalize(self, _words.give_back, ew)
+                self._words_back.atexit = False
             _own[self._handle.event_handle] = self
         return self._handle
 
@@ -230,6 +296,8 @@ class IpcEvent:
         In a child forked from the process that has it, only marks it closed: the event is the parent's.
         """
         self._finalizer()
+        if self._words_back is not None:
+            self._words_back()
 
     def __enter__(self) -> "IpcEvent":
         return self
@@ -246,14 +314,16 @@ class IpcEvent:
         return f"<IpcEvent {state} device={self._device} {origin}>"
 
 
-def export_event(ptr: int, device: int, block: bool) -> "IpcEventHandle":
-    """The handle of an interprocess event of this process, on GPU ``device``."""
+def export_event(ptr: int, device: int, block: bool, pair: int = 0) -> "IpcEventHandle":
+    """The handle of an interprocess event of this process, on GPU ``device``; ``pair``: its pair of words'
+    number (see :class:`IpcEvent`), 0 for none."""
     _fork.check()
     runtime = _cuda.rt()
     raw = _cuda.call("exporting an event", runtime.ipcGetEventHandle, ptr)
     me = this_process()
     _segment.own_segment(me.token)  # lets consumers tell that we are alive
-    return IpcEventHandle._make(EventFields(bytes(raw), block, DeviceId(device, _cuda.device_uuid(device)), me))
+    return IpcEventHandle._make(EventFields(bytes(raw), block, DeviceId(device, _cuda.device_uuid(device)), me,
+                                            pair))
 
 
 def _open_event(data: bytes) -> IpcEvent:

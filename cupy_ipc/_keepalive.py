@@ -135,7 +135,7 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
                     raise _cuda.of_another_gpu(e, stream_ptr, device, "the array") from e
                 handle = event._handle  # a pooled event's, once exported
                 if handle is None:
-                    handle = event.get_ipc_handle()  # before the pin: a pin without a handle would leak
+                    handle = event._export(False)  # before the pin: a pin without a handle would leak
                 handle = handle.event_handle
             seg.write(slot, export_id, PINNED | ONE_CONSUMER if consumers == 1 else PINNED)
         except BaseException:  # the segment could not grow to the slot, say: both are there for the next pin

@@ -86,8 +86,9 @@ _DYNAMIC_AT = _BODY.size + _ORIGIN.size
 _ALLOCATION = struct.Struct("<64sQQQQ")
 _ALLOCATION_AT = _BODY.size - _ALLOCATION.size
 _ARRAY = struct.Struct(_BODY.format + _ORIGIN.format[1:] + _DYNAMIC.format[1:])
-_EVENT = struct.Struct("<4sHBB64si16si16s16s32s4s")
+_EVENT = struct.Struct("<4sHBB64si16si16s16s32sI")
 _FLAGS = FLAG_KEEPALIVE | FLAG_EVENT | FLAG_WORD
+_EVENT_PAIRS = 256  # as many as a producer's segment has (_words.PAIRS)
 _U64, _I64, _I32, _U32 = (0, 1 << 64), (-(1 << 63), 1 << 63), (-(1 << 31), 1 << 31), (0, 1 << 32)
 _HOST_BYTES = 32
 # After the extents and strides of a kind shared by descriptor: the descriptor's
@@ -163,6 +164,7 @@ class EventFields(NamedTuple):
     block: bool
     device: DeviceId
     producer: Producer
+    pair: int = 0  # 1 + the event's pair of words in the producer's segment (see _words); 0: none
 
 
 # Dtype text that NumPy warns about while parsing it: its deprecated alias "a" (bytes) as a type code, and a
@@ -608,7 +610,7 @@ def _parse(raw: bytes) -> tuple[ArrayFields, tuple[int, int, int] | None]:
 def pack_event(f: EventFields) -> bytes:
     return _EVENT.pack(
         EVENT_MAGIC, VERSION, int(f.block), 0, f.event_handle, f.device.ordinal, f.device.uuid,
-        f.producer.pid, f.producer.token, f.producer.boot_id, f.producer.host.encode()[:32], bytes(4),
+        f.producer.pid, f.producer.token, f.producer.boot_id, f.producer.host.encode()[:32], f.pair,
     )
 
 
@@ -617,9 +619,11 @@ def unpack_event(data: object) -> EventFields:
     raw = _header(data, EVENT_MAGIC, "event handle", EVENT_RECORD)
     if len(raw) != EVENT_RECORD:
         raise HandleError(f"event handle is {len(raw)} bytes; {EVENT_RECORD} expected")
-    _, _, block, reserved, handle, ordinal, uuid, pid, token, boot, host, pad = _EVENT.unpack(raw)
+    _, _, block, reserved, handle, ordinal, uuid, pid, token, boot, host, pair = _EVENT.unpack(raw)
     if block not in (0, 1):
         raise HandleError(f"event flags byte {block} is not 0 or 1")
-    if reserved or pad != bytes(4):
-        raise HandleError("reserved bytes of the event handle are not zero")
-    return EventFields(handle, bool(block), DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)))
+    if reserved:
+        raise HandleError("the reserved byte of the event handle is not zero")
+    if pair > _EVENT_PAIRS:
+        raise HandleError(f"event handle names pair of words {pair}; at most {_EVENT_PAIRS} expected")
+    return EventFields(handle, bool(block), DeviceId(ordinal, uuid), Producer(pid, token, boot, _host(host)), pair)

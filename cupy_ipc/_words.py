@@ -16,7 +16,8 @@ thread of either process involved. If the producer dies first, the consumer's
 thread, which looks only for that, sets the word itself.
 
 The words are the first :data:`BYTES` of the producer's segment file (one per
-export slot, for the first :data:`COUNT` slots), mapped apart from its records
+export slot, for the first :data:`SLOTS` slots; then a pair per exported
+:class:`IpcEvent`, see :func:`record_event`), mapped apart from its records
 (which move when the file grows) and registered with CUDA in the producer and
 in each consumer. An export's word is its slot's; its value, the export id's
 low 32 bits, which rise from one export of a slot to the next. Waits compare
@@ -34,16 +35,20 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import struct
 import threading
 from typing import Any
 
-from . import _cuda
+from . import _cuda, _threads
 
-__all__ = ["BYTES", "COUNT", "Words", "disabled", "of_producer", "park", "reached", "value_of", "wait", "write"]
+__all__ = ["BYTES", "COUNT", "PAIRS", "SLOTS", "EventWords", "Words", "disabled", "event_value", "hold", "mark_unworded",
+           "of_producer", "park", "reached", "record_event", "take_pair", "value_of", "wait", "write"]
 
 COUNT = 4096
 BYTES = 4 * COUNT
+SLOTS = 3584  # the exports' words, one per slot; then the exported events' pairs
+PAIRS = (COUNT - SLOTS) // 2
 _U32 = struct.Struct("<I")
 _REGISTER_FLAGS = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE (every context) | CU_MEMHOSTREGISTER_DEVICEMAP
 GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, cyclic
@@ -146,11 +151,25 @@ def park(seg: Any) -> None:
     _parked.setdefault(id(seg), seg)
 
 
+_HELD_MOST = 64
+
+
+def hold(seg: Any) -> bool:
+    """Keep ``seg`` (and its words) for this process's life, for a wait on an event's word of it: a stream may
+    still be about to read the word when the host sees it set (a lease keeps an open's segment that long).
+    False past :data:`_HELD_MOST` producers held so: waits on their events poll them instead."""
+    if id(seg) not in _parked:
+        if len(_parked) >= _HELD_MOST:
+            return False
+        park(seg)
+    return True
+
+
 def write(seg: Any, stream_ptr: int, slot: int, export_id: int, device: int) -> bool:
     """Producer: have ``stream_ptr`` (of GPU ``device``, current) write ``export_id``'s word in slot ``slot``
     of this process's segment ``seg`` once the work queued there is done; False where it cannot (the
     consumers then wait on the ordering event alone)."""
-    if disabled or slot >= COUNT:
+    if disabled or slot >= SLOTS:
         return False
     words = of_segment(seg, device)
     if words is None:
@@ -164,3 +183,108 @@ def wait(words: Words, stream_ptr: int, slot: int, value: int) -> bool:
     """Consumer: have ``stream_ptr`` (current GPU's) wait for word ``slot`` of ``words`` to reach ``value``;
     False where the driver refused."""
     return wait_fn()(stream_ptr, words.base + 4 * slot, value, GEQ) == 0
+
+
+# --- exported events ------------------------------------------------------------------------------------
+# An IpcEvent created here and exported gets a pair of words: "issued", which the host sets at each record to
+# that record's value, and "done", which the recording stream writes once the work before the record is done.
+# A consumer's wait reads "issued" and has its stream wait for "done" to reach it: on the GPU, like a wait on
+# the event, which waits for its latest record. Values count up by 2; an odd "issued" says that the latest
+# record has no word to wait for (consumers then poll the event itself). That is so for a record on another
+# stream than the last one's while that one's write may still be queued: the two writes could land out of
+# order, and "done" go back below a value already waited for. And for a record made by another process.
+
+_pairs_lock = threading.Lock()
+_free_pairs: list[tuple[int, int]] = []  # (pair, the value of the last write queued to its "done")
+_next_pair = 0
+
+
+class EventWords:
+    """The producer's pair of words of one exported event: the stream of its last write to "done" (``chain``)
+    and that write's value (``written``)."""
+
+    __slots__ = ("words", "pair", "chain", "written", "lock")
+
+    def __init__(self, words: Words, pair: int, written: int) -> None:
+        self.words, self.pair, self.chain, self.written, self.lock = words, pair, None, written, threading.Lock()
+
+
+def issued_word(pair: int) -> int:
+    return SLOTS + 2 * pair
+
+
+def done_word(pair: int) -> int:
+    return SLOTS + 2 * pair + 1
+
+
+def take_pair(seg: Any, device: int) -> EventWords | None:
+    """A free pair of this process's segment ``seg`` for an event of GPU ``device``; ``None`` where none is
+    left or words cannot be. Its words keep their values from an earlier event: the counts go on rising."""
+    global _next_pair
+    if disabled:
+        return None
+    words = of_segment(seg, device)
+    if words is None:
+        return None
+    with _pairs_lock:
+        if _free_pairs:
+            pair, written = _free_pairs.pop()
+        elif _next_pair < PAIRS:
+            pair, written, _next_pair = _next_pair, 0, _next_pair + 1
+        else:
+            return None
+    at = issued_word(pair)
+    words.set(at, words.read(at) | 1)  # a record made before the export has no word: consumers poll for it
+    return EventWords(words, pair, written)
+
+
+def give_back(ew: EventWords) -> None:
+    """The event that had ``ew`` is destroyed: its pair serves the next exported event."""
+    with _pairs_lock:
+        _free_pairs.append((ew.pair, ew.written))
+
+
+def record_event(ew: EventWords, stream_ptr: int, record: Any, idle: bool = False) -> None:
+    """Call ``record()`` (the event's record on ``stream_ptr``, of the current GPU) with the pair's words kept
+    right: the stream writes the record's value to "done" first where that keeps the writes in order, and
+    "issued" says the value (or, odd, that there is none) once the record is made.
+
+    ``idle``: the stream has no work queued, so the record completes at once and its consumers' waits find it
+    done: it gets no word (a write to host memory ahead of the record would only delay its completion)."""
+    words, issued, done = ew.words, issued_word(ew.pair), done_word(ew.pair)
+    stream = stream_ptr if stream_ptr != 2 else (2, _threads.mark())  # (2: each thread's own default stream)
+    with ew.lock:
+        value = ((words.read(issued) & ~1) + 2) & 0xFFFFFFFF
+        # In order: the last write was queued on this stream, or has landed (and so has every earlier one).
+        ordered = not idle and (stream == ew.chain or reached(words.read(done), ew.written))
+        if ordered and _write_fn()(stream_ptr, words.base + 4 * done, value, 0) == 0:
+            ew.chain, ew.written = stream, value  # (queued, whether or not the record below is made)
+            record()
+            words.set(issued, value)
+        else:
+            record()
+            words.set(issued, (value - 1) & 0xFFFFFFFF)
+
+
+def mark_unworded(words: Words, pair: int) -> None:
+    """A record of the event made here, in a consumer of it: its producer's words know nothing of it."""
+    words.set(issued_word(pair), words.read(issued_word(pair)) | 1)
+
+
+def event_value(words: Words, pair: int) -> int | None:
+    """What a wait on the event of producer's pair ``pair`` waits for "done" to reach now: 0 for nothing
+    (its latest record's work is done, or it was never recorded), ``None`` where its latest record has no
+    word (poll the event)."""
+    value = words.read(issued_word(pair))
+    if value & 1:
+        return None
+    return 0 if reached(words.read(done_word(pair)), value) else value
+
+
+def _forget_after_fork() -> None:
+    global _pairs_lock, _free_pairs, _next_pair, _lock
+    # The parent's pairs and registrations: a forked child exports no event of them.
+    _pairs_lock, _lock, _free_pairs, _next_pair = threading.Lock(), threading.Lock(), [], 0
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -186,7 +186,8 @@ def test_suite_smoke_run_on_tiny_sizes(tmp_path):
             assert all(r > 0 for r in case["paired"].values())
     assert doc["events"]["event"]["median_us"] > 0 and doc["events"]["raw"]["median_us"] > 0
     assert [(row["consumer"], row["method"]) for row in doc["release"]] == [
-        (mode, method) for mode in ("idle", "busy") for method in ("raw", "raw-word", "cupy_ipc", "cupy_ipc-polled")]
+        (mode, method) for mode in ("idle", "busy")
+        for method in ("raw", "raw-word", "cupy_ipc", "cupy_ipc-polled", "event", "event-polled")]
     assert all(cell["median_us"] > 0 for row in doc["release"] for cell in row["late"].values())
     assert 0.5 < doc["bandwidth"]["mapped_over_local"] < 1.5
     if doc["environment"]["gpus"] > 1:

@@ -12,8 +12,9 @@ from workers import spin, warm_up
 pytestmark = pytest.mark.gpu
 
 
-def _write_after_spin(seconds: float):
-    """Queue a long kernel, then the final write, on a non-blocking stream; record an event."""
+def _write_after_spin(seconds: float, export_first: bool = False):
+    """Queue a long kernel, then the final write, on a non-blocking stream; record an event (exported before
+    the record with ``export_first``: the record then writes the event's word). The event's handle too."""
     import cupy
 
     import cupy_ipc
@@ -23,23 +24,30 @@ def _write_after_spin(seconds: float):
     cupy.cuda.runtime.deviceSynchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     ev = cupy_ipc.IpcEvent()
+    data = ev.get_ipc_handle().to_bytes() if export_first else None
     spin(seconds, stream)
     with stream:
         a.fill(42)
     ev.record(stream)
-    return a, ev, stream
+    return a, ev, stream, data or ev.get_ipc_handle().to_bytes()
 
 
-@pytest.mark.parametrize("wait", [True, False], ids=["wait", "no-wait-control"])
-def test_event_orders_work_across_processes(consumer, wait):
+@pytest.mark.parametrize("wait, export_first", [(True, False), (True, True), (False, True)],
+                         ids=["wait-recorded-first", "wait-exported-first", "no-wait-control"])
+def test_event_orders_work_across_processes(consumer, wait, export_first):
+    # Recorded before its export, the event's record has no word: the consumer's stream waits for a word of its
+    # own, set by the library's thread once it sees the event completed. Exported first, each record writes the
+    # event's word, which the consumer's stream waits for.
     import cupy_ipc
 
     consumer.call("warm_up")
-    a, ev, stream = _write_after_spin(3.0)
+    a, ev, stream, event_data = _write_after_spin(3.0, export_first)
+    if export_first:
+        assert cupy_ipc.IpcEventHandle.from_bytes(event_data)._f.pair  # (else this case tests the other)
     out = consumer.call(
         "read_after_event",
         cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False).to_bytes(),
-        ev.get_ipc_handle().to_bytes(),
+        event_data,
         wait,
     )
     stream.synchronize()
@@ -51,14 +59,15 @@ def test_event_orders_work_across_processes(consumer, wait):
         assert (out == 0).all()
 
 
-@pytest.mark.parametrize("how", ["wait", "wait-now", "synchronize"])
-def test_a_wait_for_a_killed_producers_event_ends(remote, how):
+@pytest.mark.parametrize("how, export_first", [("wait", False), ("wait-now", False), ("synchronize", False),
+                                                ("wait", True), ("wait-now", True)])
+def test_a_wait_for_a_killed_producers_event_ends(remote, how, export_first):
     # Killed before its event's work has run, the producer never completes the event: a stream made to wait on
-    # it before is released with a warning; a stream made to wait after, or a wait on the host, raises
-    # ProducerExitedError.
+    # it before (for a word of its own, or, exported first, for the event's word) is released with a warning; a
+    # stream made to wait after, or a wait on the host, raises ProducerExitedError.
     producer, consumer = remote(), remote()
     consumer.call("warm_up")
-    consumer.call("hold_event", producer.call("event_after_spin", 4.0), "ev", how)
+    consumer.call("hold_event", producer.call("event_after_spin", 4.0, export_first), "ev", how)
     producer.kill()
     out = consumer.call("wait_on_held_event", "ev", how, timeout=3.0)  # the producer would have been done by 4 s
     if how == "wait":
@@ -70,14 +79,61 @@ def test_a_wait_for_a_killed_producers_event_ends(remote, how):
     assert consumer.proc.exitcode == 0
 
 
-@pytest.mark.parametrize("how", ["wait", "wait-now", "synchronize"])
-def test_a_wait_for_a_live_producers_event_ends_when_its_work_is_done(remote, how):
+@pytest.mark.parametrize("how, export_first", [("wait", False), ("wait-now", False), ("synchronize", False),
+                                                ("wait", True)])
+def test_a_wait_for_a_live_producers_event_ends_when_its_work_is_done(remote, how, export_first):
     producer, consumer = remote(), remote()
     consumer.call("warm_up")
-    consumer.call("hold_event", producer.call("event_after_spin", 1.0), "ev", how)
+    consumer.call("hold_event", producer.call("event_after_spin", 1.0, export_first), "ev", how)
     out = consumer.call("wait_on_held_event", "ev", how, timeout=30)
     assert out["error"] is None and out["warnings"] == []
     assert 0.3 < out["took"] < 5  # it waited for the kernel, and not for ever
+
+
+@pytest.mark.parametrize("words", [True, False], ids=["words", "no-words-negative-control"])
+def test_a_stream_waiting_for_an_exported_event_goes_on_with_no_thread_involved(remote, monkeypatch, words):
+    # An event exported before its record: the record has the producer's stream write the event's word, and the
+    # consumer's stream waits for that word on the GPU, so it goes on with the library's thread in the consumer
+    # unable to run (its lock held). With the producer writing no word, the stream waits for a word of the
+    # consumer's own, which only that thread sets: the copy never runs while the lock is held.
+    import cupy_ipc
+    from cupy_ipc import _words
+
+    if not words:
+        monkeypatch.setattr(_words, "disabled", True)
+    consumer = remote()  # (the negative control's is killed)
+    consumer.call("warm_up")
+    a, ev, stream, event_data = _write_after_spin(1.5, export_first=True)
+    assert bool(cupy_ipc.IpcEventHandle.from_bytes(event_data)._f.pair) is words
+    arr_data = cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False).to_bytes()
+    if words:
+        out = consumer.call("read_after_event_holding_the_library_thread", arr_data, event_data, timeout=10.0)
+        assert out["values"] == [42.0] and out["took"] > 0.5, out
+    else:
+        with pytest.raises(TimeoutError):
+            consumer.call("read_after_event_holding_the_library_thread", arr_data, event_data, timeout=6.0)
+        consumer.kill()
+    stream.synchronize()
+
+
+def test_records_on_two_streams_order_a_consumers_wait_for_the_latest(consumer):
+    # The second record, on another stream while the first's work still runs, could have its word written before
+    # the first's: it gets none, and the consumer's wait polls the event (the latest record, as CUDA's wait).
+    import cupy
+
+    import cupy_ipc
+
+    consumer.call("warm_up")
+    a, ev, first, event_data = _write_after_spin(1.0, export_first=True)
+    second = cupy.cuda.Stream(non_blocking=True)
+    spin(3.0, second)
+    with second:
+        a += 1
+    ev.record(second)
+    out = consumer.call("read_after_event", cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False).to_bytes(),
+                        event_data, True)
+    assert (out == 43).all()
+    second.synchronize()
 
 
 def test_opened_event_is_destroyed_once(consumer):

@@ -424,8 +424,9 @@ def wait_on_held_event(name: str, how: str) -> dict:
     return out
 
 
-def event_after_spin(seconds: float) -> bytes:
-    """An interprocess event recorded after a kernel of ``seconds``; its handle."""
+def event_after_spin(seconds: float, export_first: bool = False) -> bytes:
+    """An interprocess event recorded after a kernel of ``seconds``; its handle, made before the record with
+    ``export_first`` (so the record writes the event's word, which consumers' streams then wait for)."""
     import cupy
 
     import cupy_ipc
@@ -433,10 +434,11 @@ def event_after_spin(seconds: float) -> bytes:
     warm_up()
     s = cupy.cuda.Stream(non_blocking=True)
     ev = cupy_ipc.IpcEvent()
+    data = ev.get_ipc_handle().to_bytes() if export_first else None
     spin(seconds, s)
     ev.record(s)
     _held["event"] = (ev, s)
-    return ev.get_ipc_handle().to_bytes()
+    return data or ev.get_ipc_handle().to_bytes()
 
 
 def without_gates() -> None:
@@ -676,6 +678,30 @@ def read_after_event(arr_data: bytes, event_data: bytes, wait: bool) -> np.ndarr
     stream.synchronize()
     ev.close()
     return cupy.asnumpy(out)
+
+
+def read_after_event_holding_the_library_thread(arr_data: bytes, event_data: bytes) -> dict:
+    """Open an array and an event, make a stream wait for the event, then copy the array on that stream while
+    holding the lock that the library's waiting thread needs: only a wait released on the GPU lets the copy
+    run then. The copy's distinct values, and the seconds the copy took."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, IpcEventHandle, _gates
+
+    warm_up()
+    ev = IpcEventHandle.from_bytes(event_data).open()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    arr = IpcArrayHandle.from_bytes(arr_data).open(stream=stream)
+    with stream:
+        arr[:1].copy()  # the copy's kernel loaded before the wait (a first launch may wait for the whole GPU)
+    ev.wait(stream)
+    t0 = time.monotonic()
+    with _gates._cond:
+        with stream:
+            out = arr.copy()
+        stream.synchronize()
+    took = time.monotonic() - t0
+    return {"values": sorted(set(cupy.asnumpy(out).tolist())), "took": took}
 
 
 def event_lifecycle(event_data: bytes) -> dict[str, Any]:
