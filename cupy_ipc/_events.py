@@ -174,9 +174,10 @@ class IpcEvent:
         recorded there with :meth:`record`, the stream waits for a word that
         the producer's GPU writes once the work before the latest record is
         done: it goes on as soon as that work is, with no thread of either
-        process involved. (Otherwise, for a record made on another stream
-        while the last one's work still ran, or made by a consumer, the
-        library's thread polls the event and releases the stream.)
+        process involved. (Otherwise, for a record made before the event's
+        export, on a stream with nothing queued, on another stream while the
+        last one's work still ran, or by a consumer, the library's thread
+        polls the event and releases the stream.)
 
         A stream that waits for an event opened from a handle is released if
         the producer is killed before the event's work has run (which then
@@ -210,13 +211,15 @@ class IpcEvent:
         if pair < 0 or stream_device != self._device or _words.disabled:
             return False
         words = _words.of_producer(seg, self._device)
-        if words is None or not _words.hold(seg):
+        if words is None:
             return False
         value = _words.event_value(words, pair)
         if value is None:
             return False
         if not value:
             return True  # its work is done
+        if not _words.hold(seg):  # (only for a wait queued on its words)
+            return False
         with _cuda.using_device(self._device):
             return _gates.wait_word(words, _words.done_word(pair), value, stream_ptr, self._device, seg, pid, None)
 

@@ -263,11 +263,12 @@ def record_event(ew: EventWords, stream_ptr: int, record: Any, idle: bool = Fals
             words.set(issued, value)
         else:
             record()
-            words.set(issued, (value - 1) & 0xFFFFFFFF)
+            mark_unworded(words, ew.pair)
 
 
 def mark_unworded(words: Words, pair: int) -> None:
-    """A record of the event made here, in a consumer of it: its producer's words know nothing of it."""
+    """Say that the event's latest record has no word ("issued" odd): one made without it by its producer, or
+    one made in a consumer, of which the producer's words know nothing."""
     words.set(issued_word(pair), words.read(issued_word(pair)) | 1)
 
 
