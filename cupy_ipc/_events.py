@@ -144,7 +144,7 @@ class IpcEvent:
             with _cuda.using_device(self._device):  # (a default stream acts on the current GPU)
                 if self._words is not None:  # exported: its consumers' streams wait for its word
                     _words.record_event(self._words, stream_ptr, lambda: _cuda.call(
-                        "recording an event", _cuda.rt().eventRecord, ptr, stream_ptr), _cuda.stream_idle(stream_ptr))
+                        "recording an event", _cuda.rt().eventRecord, ptr, stream_ptr))
                 else:
                     _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, stream_ptr)
         except IpcError as e:
@@ -175,9 +175,9 @@ class IpcEvent:
         the producer's GPU writes once the work before the latest record is
         done: it goes on as soon as that work is, with no thread of either
         process involved. (Otherwise, for a record made before the event's
-        export, on a stream with nothing queued, on another stream while the
-        last one's work still ran, or by a consumer, the library's thread
-        polls the event and releases the stream.)
+        export, on another stream while the last one's work still ran, or by
+        a consumer, the library's thread polls the event and releases the
+        stream.)
 
         A stream that waits for an event opened from a handle is released if
         the producer is killed before the event's work has run (which then
@@ -225,6 +225,10 @@ class IpcEvent:
 
     def synchronize(self) -> None:
         """Block the host until the work captured by the last record has finished.
+
+        For an event opened from a handle, this polls the event (and whether
+        its producer lives), spinning as CUDA's own synchronize does unless
+        the event was made with ``block=True``: then it sleeps between polls.
 
         Raises:
             ProducerExitedError: The event was opened from a handle, and its

@@ -152,14 +152,16 @@ def _queued(word: int, event: Any, stream_ptr: int, device: int, segment: Any, p
 
 
 def host_wait(event: Any, segment: Any, pid: int) -> None:
-    """Block the host until ``event``, opened from producer ``pid``'s handle, has completed, polling it as the
-    thread does; where its ``segment`` shows the producer gone first, the event never will.
+    """Block the host until ``event``, opened from producer ``pid``'s handle, has completed, polling it
+    (spinning, unless it was made with blocking sync: then as the thread does); where its ``segment`` shows
+    the producer gone first, the event never will.
 
     Raises:
         ProducerExitedError: The producer exited before the event's work had run.
         IpcError: The query failed.
     """
     runtime = _cuda.rt()
+    spin = not getattr(event, "block", False)
     start = check_at = time.monotonic()
     while True:
         status = runtime.eventQuery(event.ptr)  # (CuPy returns the status, raising for none)
@@ -173,7 +175,11 @@ def host_wait(event: Any, segment: Any, pid: int) -> None:
             if _exited_first(event, segment):
                 raise ProducerExitedError(f"the producer (pid {pid}) exited before the work that its event waits "
                                           f"for had run: the event will never complete", pid=pid)
-        time.sleep(poll_interval(now - start))
+        # Spinning, as CUDA's own synchronize does for an event made without blocking sync: a sleep of 20 us
+        # lasts about 70 here (the timer's slack), and an event of another process completes some 100 us
+        # after its record (its context's turn on the GPU), so a sleeping poll came up to a sleep late.
+        # (sleep(0) lets other threads have the GIL.)
+        time.sleep(0 if spin else poll_interval(now - start))
 
 
 def _exited_first(event: Any, segment: Any) -> bool:

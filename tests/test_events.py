@@ -141,3 +141,33 @@ def test_a_host_wait_for_the_event_of_an_exited_producer_raises_only_if_the_even
             assert e.value.pid == h.producer.pid
     finally:
         ev.close()
+
+
+# An event of another process completes some 100 us after its record (measured on an H200); a poll that slept 20 us
+# between queries (70 us with the timer's slack) came back up to a sleep late: the event ping-pong was 400 us a
+# round against raw calls' 281. A wait for an event made without blocking sync spins now, as CUDA's does.
+@pytest.mark.parametrize("block", [False, True], ids=["spins", "blocking-sync-sleeps"])
+def test_a_host_wait_spins_unless_the_event_was_made_with_blocking_sync(destroyed, libcuda, monkeypatch, block):
+    class Alive:
+        def producer_alive(self):
+            return True
+
+    def opened(out, handle):
+        out._obj.value = EVENT
+        return 0
+
+    libcuda["cuIpcOpenEventHandle"] = opened
+    polls = iter([600] * 6 + [0])
+    _cuda.rt().eventQuery = lambda ev: next(polls)
+    slept = []
+    monkeypatch.setattr(_events._gates.time, "sleep", slept.append)
+    monkeypatch.setattr(_events._segment, "attach", lambda token, pid: Alive())
+    h = _handle()
+    h = IpcEventHandle._make(h._f._replace(block=block))
+    ev = h.open()
+    try:
+        ev.synchronize()
+    finally:
+        ev.close()
+    assert len(slept) == 5  # (the first query is synchronize's own: not done, so it polls)
+    assert set(slept) == ({_events._gates.poll_interval(0)} if block else {0})

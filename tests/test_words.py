@@ -171,13 +171,3 @@ def test_a_pair_given_back_serves_the_next_event_with_its_counts_going_on(pair):
 def test_past_the_pairs_an_event_gets_none(pair, monkeypatch):
     monkeypatch.setattr(_words, "_next_pair", _words.PAIRS)
     assert _words.take_pair(None, 0) is None
-
-
-def test_a_record_on_an_idle_stream_gets_no_word(pair):
-    # It completes at once (consumers find it done); a write before it would only delay that.
-    ew, stream, issued, done = pair
-    made, record = _records(ew)
-    _words.record_event(ew, 0x10, record, idle=True)
-    assert made == [True] and stream.queued == [] and _words.event_value(ew.words, ew.pair) is None
-    _words.record_event(ew, 0x10, record)
-    assert stream.queued == [(0x10, done, 2)] and _words.event_value(ew.words, ew.pair) == 2
