@@ -198,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paired: {e}", file=sys.stderr)
         return 2
 
-    from cupy_ipc._cuda import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"paired: no GPU: {reason}", file=sys.stderr)
+    if roundtrip.no_gpu("paired"):
         return 1
     result = run(methods, roundtrip.parse_size(args.size), args.iters, args.warmup)
     print(markdown(result))

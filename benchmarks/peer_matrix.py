@@ -19,7 +19,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bandwidth import _read_gbps  # noqa: E402 - the benchmark modules sit next to this script
-from roundtrip import in_consumer, parse_size  # noqa: E402
+from roundtrip import in_consumer, no_gpu, parse_size  # noqa: E402
 
 
 def _consumer(handles: list[bytes], reps: int, conn: Any) -> None:
@@ -89,11 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bytes", default="256MiB")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    from cupy_ipc._cuda import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"peer_matrix: no GPU: {reason}", file=sys.stderr)
+    if no_gpu("peer_matrix"):
         return 1
     cells = run(parse_size(args.bytes))
     print(markdown(cells))

@@ -96,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args(argv)
-    from cupy_ipc._cuda import unavailable_reason
+    from roundtrip import no_gpu  # (next to this script)
 
-    if reason := unavailable_reason():
-        print(f"primitives: no GPU: {reason}", file=sys.stderr)
+    if no_gpu("primitives"):
         return 1
     for what, fn in cases():
         print(f"  {what:<64} {timed(fn, args.iters, args.repeat):8.2f} µs", flush=True)

@@ -45,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from roundtrip import receive  # noqa: E402 - the benchmark modules sit next to this script
+from roundtrip import no_gpu, receive  # noqa: E402 - the benchmark modules sit next to this script
 
 from cupy_ipc._cuda import _libcuda_fn  # noqa: E402
 
@@ -279,11 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [m for m in methods if m not in METHODS]:
         print(f"release: unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}", file=sys.stderr)
         return 2
-    from cupy_ipc._cuda import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"release: no GPU: {reason}", file=sys.stderr)
+    if no_gpu("release"):
         return 1
     print(markdown(run([float(s) for s in args.spins.split(",")], methods, args.iters)))
     return 0

@@ -400,6 +400,16 @@ def measure(method: str, cases: list[tuple[int, bool, int, int]], report: Any) -
             proc.kill()
 
 
+def no_gpu(prog: str) -> bool:
+    """Whether no GPU can run a benchmark here; if so, says why on stderr as ``prog``'s (its exit status: 1)."""
+    from cupy_ipc._cuda import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"{prog}: no GPU: {reason}", file=sys.stderr)
+    return bool(reason)
+
+
 def unavailable(method: str) -> str | None:
     """Why ``method`` cannot run here, or ``None``."""
     if method != "torch":
@@ -520,11 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         os.environ[_PROFILE] = "1"  # the spawned consumers inherit it
 
-    from cupy_ipc._cuda import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"roundtrip: no GPU: {reason}", file=sys.stderr)
+    if no_gpu("roundtrip"):
         return 1
     results = run([parse_size(s) for s in args.sizes.split(",")], args.methods.split(","), args.iters,
                   args.rounds, args.warmup)

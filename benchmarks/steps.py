@@ -38,6 +38,7 @@ from roundtrip import (  # noqa: E402 - the benchmark modules sit next to this s
     free_buffers,
     fresh_buffer,
     new_buffer,
+    no_gpu,
     open_raw,
     raw_handle,
     receive,
@@ -275,10 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="profile each side's library calls (then the step times include the profiler's cost)")
     args = parser.parse_args(argv)
-    from cupy_ipc._cuda import unavailable_reason
-
-    if reason := unavailable_reason():
-        print(f"steps: no GPU: {reason}", file=sys.stderr)
+    if no_gpu("steps"):
         return 1
     for (method, resent), rows in run(args.iters, args.bytes, args.idle, args.no_gc, args.profile).items():
         print(f"\n{method}, {'re-sent' if resent else 'fresh'}: median µs (messages where the step ran)")

@@ -217,11 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.watchdog:
         start_watchdog(args.watchdog)
 
-    from cupy_ipc._cuda import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"suite: no GPU: {reason}", file=sys.stderr)
+    if roundtrip.no_gpu("suite"):
         return 1
     import cupy
 
