@@ -176,8 +176,8 @@ def host_wait(event: Any, segment: Any, pid: int) -> None:
                 raise ProducerExitedError(f"the producer (pid {pid}) exited before the work that its event waits "
                                           f"for had run: the event will never complete", pid=pid)
         # Spinning, as CUDA's own synchronize does for an event made without blocking sync: a sleep of 20 us
-        # lasts about 70 here (the timer's slack), and an event of another process completes some 100 us
-        # after its record (its context's turn on the GPU), so a sleeping poll came up to a sleep late.
+        # lasts about 70 here (the timer's slack), and an event of another process is seen completed some
+        # 100 us after its record (measured on an H200), so a sleeping poll came up to a sleep late.
         # (sleep(0) lets other threads have the GIL.)
         time.sleep(0 if spin else poll_interval(now - start))
 
