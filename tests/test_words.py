@@ -91,7 +91,7 @@ def pair(monkeypatch):
     return ew, stream, _words.issued_word(ew.pair), _words.done_word(ew.pair)
 
 
-def _records(ew):
+def _records():
     """A record that notes it was made."""
     made: list[bool] = []
     return made, lambda: made.append(True)
@@ -99,7 +99,7 @@ def _records(ew):
 
 def test_an_exported_events_records_on_one_stream_each_have_their_word(pair):
     ew, stream, issued, done = pair
-    made, record = _records(ew)
+    made, record = _records()
     assert _words.event_value(ew.words, ew.pair) is None  # a record made before the export: none to wait for
     _words.record_event(ew, 0x10, record)
     _words.record_event(ew, 0x10, record)  # the first's write not landed yet: the same stream keeps them in order
@@ -112,7 +112,7 @@ def test_an_exported_events_records_on_one_stream_each_have_their_word(pair):
 def test_a_record_on_another_stream_while_the_last_write_may_be_queued_gets_no_word(pair):
     # Its write could land before the other stream's, and "done" then go back below a value waited for.
     ew, stream, issued, done = pair
-    made, record = _records(ew)
+    made, record = _records()
     _words.record_event(ew, 0x10, record)
     _words.record_event(ew, 0x20, record)
     assert made == [True, True] and stream.queued == [(0x10, done, 2)]
@@ -124,7 +124,7 @@ def test_a_record_on_another_stream_while_the_last_write_may_be_queued_gets_no_w
 
 def test_a_write_the_driver_refuses_leaves_the_record_without_a_word(pair):
     ew, stream, issued, done = pair
-    made, record = _records(ew)
+    made, record = _records()
     stream.refuse = True
     _words.record_event(ew, 0x10, record)
     assert made == [True] and _words.event_value(ew.words, ew.pair) is None
@@ -132,7 +132,7 @@ def test_a_write_the_driver_refuses_leaves_the_record_without_a_word(pair):
 
 def test_a_record_that_fails_after_its_write_leaves_issued_as_it_was_and_the_write_counted(pair):
     ew, stream, issued, done = pair
-    made, record = _records(ew)
+    made, record = _records()
     _words.record_event(ew, 0x10, record)
 
     def failing():
