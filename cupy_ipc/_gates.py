@@ -161,7 +161,7 @@ def host_wait(event: Any, segment: Any, pid: int) -> None:
         IpcError: The query failed.
     """
     runtime = _cuda.rt()
-    spin = not getattr(event, "block", False)
+    spin = not event.block
     start = check_at = time.monotonic()
     while True:
         status = runtime.eventQuery(event.ptr)  # (CuPy returns the status, raising for none)
