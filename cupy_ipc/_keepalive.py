@@ -15,7 +15,11 @@ while it holds fewer than 64 pins, so that a pipeline with buffers in flight
 frees each at the next export; past that, once per eighth of the pins left
 by the last sweep, so that an export costs a constant number of checks on
 average however many exports await their consumers (a pool mapping over
-thousands of arrays), for at most an eighth more pins held. A lease that runs
+thousands of arrays), for at most an eighth more pins held. An export made
+while a sender of ``multiprocessing`` pickles its message (see
+``cupy_ipc.multiprocessing``) leaves that sweep to the sender, which makes it
+once the message has left: then the receiver's open, not the message's trip,
+waits for it. A lease that runs
 out is revoked at once by a background thread, so that consumers are refused
 even if this process never exports again; its memory goes at the next sweep.
 """
@@ -36,7 +40,8 @@ from ._identity import this_process
 from ._segment import ONE_CONSUMER, PINNED, REVOKED
 from ._wire import FLAG_EVENT, FLAG_WORD
 
-__all__ = ["PinInfo", "awaiting", "lookup", "pin", "pinned", "release", "reset", "sweep", "wait_own_event"]
+__all__ = ["PinInfo", "awaiting", "deferral", "lookup", "pin", "pinned", "release", "reset", "sweep", "sweep_owed",
+           "wait_own_event"]
 
 
 class PinInfo(NamedTuple):
@@ -89,6 +94,14 @@ _SWEEP_SHARE = 8
 _exports_to_sweep = 0  # exports left before the next one sweeps, once there are many pins
 
 
+class _Deferral(threading.local):
+    on = False  # this thread pickles a message that its sender writes at once: its exports' sweep waits for that
+
+
+deferral = _Deferral()
+_owed = False  # an export left its sweep to the sender of its message (see sweep_owed)
+
+
 def _segment_here() -> _segment.Segment:
     return _segment.own_segment(this_process().token)
 
@@ -109,13 +122,16 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
     after the write of the export's word (see ``_words``) where that can be;
     a stream with no work left needs no event, and gets none.
     """
-    global _exports_to_sweep
+    global _exports_to_sweep, _owed
     seg = _segment_here()
     with _lock:
         if _exports_to_sweep and len(_pins) >= _SWEEP_ALWAYS_BELOW:
             _exports_to_sweep -= 1
         elif _pins:
-            _sweep(seg)
+            if deferral.on:
+                _owed = True
+            else:
+                _sweep(seg)
         if lease is not None:
             _start_keeper()  # before anything is taken: a thread that cannot start fails the export, leaving nothing
         slot = _free_slots.pop() if _free_slots else next(_slot_counter)
@@ -235,11 +251,24 @@ def sweep() -> int:
     return _sweep(_segment_here()) if _pins else 0
 
 
+def sweep_owed() -> None:
+    """The sweep that exports left to the sender of their message (see :data:`deferral`), once it has sent it.
+    A failure is a warning (the message has left: its sender must not see an error) and leaves the sweep owed."""
+    global _owed
+    if _owed:
+        try:
+            sweep()
+        except Exception as e:  # noqa: BLE001 - collect() or an export outside a message sweeps again, and raises
+            _owed = True
+            warn_quietly(f"could not end the pins of exports whose consumers are done: {e}")
+
+
 def _sweep(seg: _segment.Segment) -> int:
-    global _exports_to_sweep
+    global _exports_to_sweep, _owed
     now = None
     ended = 0
     with _lock:
+        _owed = False
         for p in list(_pins.values()):
             if not p.revoked and p.deadline is not None:
                 now = time.monotonic() if now is None else now
@@ -304,7 +333,7 @@ def reset() -> None:
     The pinned arrays and pooled events are kept, not freed: freeing them
     would make CUDA calls, which a forked child must not.
     """
-    global _lock, _pins, _event_pool, _slot_counter, _exports_to_sweep, _leases_changed, _keeper
+    global _lock, _pins, _event_pool, _slot_counter, _exports_to_sweep, _leases_changed, _keeper, _owed
     _lock = threading.RLock()
     _leases_changed, _keeper = threading.Condition(threading.Lock()), None  # the keeper thread is the parent's
     _leases.clear()
@@ -313,6 +342,7 @@ def reset() -> None:
     _free_slots.clear()
     _slot_counter = itertools.count()
     _exports_to_sweep = 0
+    _owed = False
 
 
 os.register_at_fork(after_in_child=reset)

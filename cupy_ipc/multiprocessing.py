@@ -91,7 +91,7 @@ from multiprocessing.queues import Queue as _PlainQueue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-from . import _fork, _sent
+from . import _fork, _keepalive, _sent
 from ._args import checked_lease
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
@@ -251,8 +251,10 @@ def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
     # What queues' feeder threads, SimpleQueue.put and Connection.send pickle each message with.
     sender = sys._getframe(1).f_code in _SENDERS
     outer = _in_message.exports
+    deferred = _keepalive.deferral.on
     if sender:  # a message of its own, sent at once (by a reducer of another message, say): never a part of that
         _in_message.exports = None
+        _keepalive.deferral.on = True  # its exports' sweep waits until it has left (see _send_bytes)
     try:
         _in_message.dumped = None
         try:
@@ -264,6 +266,7 @@ def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
         exports, _in_message.dumped = _in_message.dumped, None
     finally:
         _in_message.exports = outer
+        _keepalive.deferral.on = deferred
     if sender:  # for its send, which follows on this thread (see _send_bytes)
         _in_message.pickled = None if exports is None else (buf.obj, exports)
     return buf
@@ -295,6 +298,9 @@ def _send_bytes(conn: Any, buf: Any) -> None:
         if pickled is not None and e.errno in _NOT_SENT:
             _release_all(pickled[1])
         raise
+    finally:
+        # The sweep its exports left (see _keepalive.deferral): now, while the receiver opens the message.
+        _keepalive.sweep_owed()
 
 
 _plain_checked_send: Any = globals().get("_plain_checked_send", _connection._ConnectionBase.send_bytes)

@@ -278,6 +278,25 @@ def test_a_pin_whose_record_cannot_be_written_gives_its_slot_back(monkeypatch):
     _keepalive.release(export_id)
 
 
+def test_a_sweep_owed_after_a_send_that_fails_warns_and_stays_owed(monkeypatch):
+    # The message has left: its sender must not see an error, and the pins wait for the next sweep.
+    from cupy_ipc import IpcError
+
+    def failing(seg):
+        raise IpcError("the query failed")
+
+    export_id, _ = _leased_pin(60.0)
+    monkeypatch.setattr(_keepalive, "_sweep", failing)
+    _keepalive._owed = True  # as an export of a message leaves it
+    with pytest.warns(RuntimeWarning, match="could not end the pins .*the query failed"):
+        _keepalive.sweep_owed()
+    assert _keepalive._owed
+    monkeypatch.undo()
+    _keepalive.sweep_owed()  # owed still: swept now
+    assert not _keepalive._owed
+    _keepalive.release(export_id)
+
+
 def test_more_consumers_than_a_segment_counts_are_refused():
     import cupy_ipc
 

@@ -18,6 +18,7 @@ import pytest
 
 import cupy_ipc
 import cupy_ipc.multiprocessing as mp
+from cupy_ipc import _keepalive
 
 import mp_workers
 
@@ -464,6 +465,41 @@ def test_an_error_raised_after_the_message_left_keeps_its_exports(exported, monk
         here.send([sent])
     monkeypatch.undo()
     assert there.recv() == [[]] and not sent.released
+
+
+class _PinsOnPickling:
+    """Pins an export when pickled, as an array's reducer does (no GPU needed), and notes whether the pin
+    ``done`` was still there then."""
+
+    def __init__(self, done: int) -> None:
+        self.done, self.pinned, self.done_was_pinned = done, None, None
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        self.pinned = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))[0]
+        self.done_was_pinned = _keepalive.lookup(self.done) is not None
+        return list, ()
+
+
+def _finished_pin() -> int:
+    """An export whose one consumer opened it and is done with it: the next sweep ends its pin."""
+    export_id, slot, *_ = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+    _keepalive._segment_here().write_opens(slot, 1)
+    return export_id
+
+
+def test_a_sent_message_ends_the_pins_of_finished_exports_once_it_has_left():
+    # The sweep that an export makes is left to the sender, after its write: the receiver's open, not the
+    # message's trip, waits for it. Bytes pickled by one's own dumps are not sent by the library: swept at once.
+    here, there = multiprocessing.Pipe()
+    for send in (here.send, lambda m: multiprocessing.reduction.ForkingPickler.dumps(m)):
+        done = _finished_pin()
+        part = _PinsOnPickling(done)
+        send([part])
+        assert part.done_was_pinned is (send == here.send)
+        assert _keepalive.lookup(done) is None
+        assert not _keepalive.deferral.on
+        _keepalive.release(part.pinned)
+    assert there.recv() == [[]]
 
 
 def test_a_queue_made_before_the_import_releases_what_its_failed_send_exported():
