@@ -45,10 +45,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import roundtrip  # noqa: E402 - the benchmark modules sit next to this script
 
 METHODS = ("raw", "cupy_ipc", "mp", "torch")
-# Accepted too: cupy_ipc with parts of its safety off, to see in pairs what each part costs.
-KNOWN = METHODS + tuple(roundtrip.VARIANTS)
-# (numerator, denominator): the ratios the targets are stated in.
-PAIRS = (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("mp", "raw"), ("torch", "mp"))
+# Accepted too: cupy_ipc with parts of its safety off, to see in pairs what each part costs, and mp with its
+# exports' sweep made before the message leaves, to see what making it after saves.
+KNOWN = METHODS + tuple(roundtrip.VARIANTS) + (roundtrip.EAGER,)
+# (numerator, denominator): the ratios the targets are stated in, and mp-eager's against mp.
+PAIRS = (("cupy_ipc", "raw"), ("torch", "cupy_ipc"), ("mp", "raw"), ("torch", "mp"), (roundtrip.EAGER, "mp"))
 
 
 def consumer(methods: list[str], inbox: Any, outbox: Any) -> None:

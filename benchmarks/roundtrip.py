@@ -22,6 +22,10 @@ ack, timed by the producer. Methods:
   (shared by file descriptor: the pool once, then 64 bytes per array);
 - ``vmm``: as ``mp``, with arrays of CUDA's virtual memory API (one
   descriptor per allocation);
+- ``mp-eager`` (only when named): as ``mp``, with each export's sweep (which
+  ends the pins of finished exports) made while its message is pickled, as
+  the library did before 2026-12-03, to show what making it once the message
+  has left saves;
 - ``torch``: ``torch.multiprocessing`` with a CUDA tensor (when installed);
 - ``staging``: ``cupy.asnumpy`` → queue → ``cupy.asarray``.
 
@@ -66,6 +70,10 @@ METHODS = ("bare", "raw", "cupy_ipc", "mp", "pool", "vmm", "torch", "staging")
 # get_ipc_handle's keyword arguments by method.
 VARIANTS = {"cupy_ipc-nosync": {"sync": False}, "cupy_ipc-nokeep": {"keepalive": False},
             "cupy_ipc-unsafe": {"sync": False, "keepalive": False}}
+# mp with each export's sweep made while its message is pickled, as before 2026-12-03, to show what making it
+# once the message has left saves (not in the default list either).
+EAGER = "mp-eager"
+SENT_WHOLE = ("torch", "mp", "pool", "vmm", EAGER)  # the array itself on the queue
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 FLUSH = "flush"  # to a consumer: close the mappings kept for re-sent buffers, which are about to be freed
 
@@ -141,7 +149,7 @@ def load_reductions(methods: Collection[str]) -> None:
     ``cupy_ipc.multiprocessing``'s for arrays (so that results would travel by handle too)."""
     if "torch" in methods:
         import torch  # noqa: F401 - importing torch registers its reductions
-    if not {"mp", "pool", "vmm"}.isdisjoint(methods):
+    if not {"mp", "pool", "vmm", EAGER}.isdisjoint(methods):
         import cupy_ipc.multiprocessing  # noqa: F401
 
 
@@ -189,7 +197,7 @@ def consume(method: str, msg: Any, mapped: dict[bytes, int]) -> float:
             value = float(arr[0])
         del arr
         return value
-    if method in ("torch", "mp", "pool", "vmm"):
+    if method in SENT_WHOLE:
         return float(msg[0])  # the caller drops the message, and with it the array
     import cupy
 
@@ -209,9 +217,31 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
         import cupy_ipc
 
         return cupy_ipc.get_ipc_handle(arr, **VARIANTS.get(method, {})).to_bytes()
-    if method in ("torch", "mp", "pool", "vmm"):
+    if method in SENT_WHOLE:
+        if method != "torch":
+            _sweep_order(method)
         return arr
     return cupy.asnumpy(arr)
+
+
+class _NeverDeferred:
+    """Stands for ``cupy_ipc._keepalive.deferral`` in mp-eager's messages: never on, so that each export sweeps
+    as it pins."""
+
+    on = property(lambda self: False, lambda self, value: None)
+
+
+_deferral: list[Any] = []  # cupy_ipc's own, once swapped out
+
+
+def _sweep_order(method: str) -> None:
+    """Make the exports of the messages to come sweep as ``method``'s do: while pickled (mp-eager), or once
+    their message has left (the library's way, every other method's)."""
+    from cupy_ipc import _keepalive
+
+    if not _deferral:
+        _deferral.append(_keepalive.deferral)
+    _keepalive.deferral = _NeverDeferred() if method == EAGER else _deferral[0]
 
 
 def fill(ptr: int, nbytes: int, value: float, stream: int) -> None:
@@ -344,7 +374,7 @@ def _context(method: str) -> Any:
         import torch.multiprocessing as tmp
 
         return tmp.get_context("spawn")
-    if method in ("mp", "pool", "vmm"):
+    if method in ("mp", "pool", "vmm", EAGER):
         import cupy_ipc.multiprocessing as cmp
 
         return cmp.get_context("spawn")
@@ -482,9 +512,10 @@ def order(methods: list[str], r: int) -> list[str]:
 
 def run(sizes: list[int], methods: list[str], iters: int, rounds: int, warmup: int) -> list[dict[str, Any]]:
     """Every (size, method, fresh/re-sent) case, in rotated rounds; one result row per case."""
-    unknown = [m for m in methods if m not in METHODS and m not in VARIANTS]
+    unknown = [m for m in methods if m not in METHODS and m not in VARIANTS and m != EAGER]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join((*METHODS, *VARIANTS))}")
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}: choose from "
+                         f"{', '.join((*METHODS, *VARIANTS, EAGER))}")
     methods = runnable(methods)
     cases = [(nbytes, method, resent) for nbytes in sizes for method in methods for resent in (False, True)
              if not (method == "bare" and resent)]
@@ -519,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1MiB", help="comma-separated sizes, e.g. 4KiB,1MiB,64MiB")
     parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"of {', '.join(METHODS)}; also {', '.join(VARIANTS)} (cupy_ipc with safety parts off)")
+                        help=f"of {', '.join(METHODS)}; also {', '.join(VARIANTS)} (cupy_ipc with safety parts off) "
+                             f"and {EAGER} (mp, each export's sweep made before the message leaves)")
     parser.add_argument("--iters", type=int, default=1000, help="messages per case, over all rounds")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=100)

@@ -91,6 +91,16 @@ def test_the_floor_prototype_carries_messages_with_each_part():
 
 
 @pytest.mark.gpu
+def test_paired_carries_mp_with_either_order_of_its_sweep():
+    r = subprocess.run([sys.executable, str(PAIRED), "--methods", "raw,mp,mp-eager", "--size", "4KiB", "--iters",
+                        "20", "--warmup", "2"], capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "mp-eager ÷ mp" in r.stdout  # the consumer read every message's value (paired.py checks it)
+    for kind in ("fresh", "re-sent"):
+        assert re.search(rf"\| {kind} \| \d+\.\d \| \d+\.\d \| \d+\.\d \|", r.stdout), kind
+
+
+@pytest.mark.gpu
 def test_the_step_timer_reports_every_step_of_each_method():
     r = subprocess.run([sys.executable, str(STEPS), "--iters", "5"], capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -253,6 +263,23 @@ def test_paired_takes_the_safety_variants_of_cupy_ipc():
     paired.check_methods(["raw", "cupy_ipc", "cupy_ipc-nosync", "cupy_ipc-nokeep", "cupy_ipc-unsafe"])
     with pytest.raises(ValueError, match="unknown method.*cupy_ipc-fast"):
         paired.check_methods(["cupy_ipc-fast"])
+
+
+def test_mp_eager_sweeps_while_a_message_is_pickled_and_mp_after():
+    paired = _benchmark_module("paired")
+    paired.check_methods(["raw", "mp", "mp-eager"])
+    roundtrip = _benchmark_module("roundtrip")
+    from cupy_ipc import _keepalive
+
+    real = _keepalive.deferral
+    try:
+        roundtrip._sweep_order("mp-eager")
+        _keepalive.deferral.on = True  # what the sender's pickling sets: no effect here
+        assert _keepalive.deferral is not real and not _keepalive.deferral.on
+        roundtrip._sweep_order("mp")
+        assert _keepalive.deferral is real
+    finally:
+        _keepalive.deferral = real
 
 
 def test_the_ratio_table_has_every_case_not_only_those_cupy_ipc_ran():
