@@ -142,11 +142,13 @@ class IpcEvent:
         _cuda.check_default_stream_of(stream, stream_ptr, self._device, "the event")
         try:
             with _cuda.using_device(self._device):  # (a default stream acts on the current GPU)
-                if self._words is not None:  # exported: its consumers' streams wait for its word
-                    _words.record_event(self._words, stream_ptr, lambda: _cuda.call(
-                        "recording an event", _cuda.rt().eventRecord, ptr, stream_ptr))
-                else:
+                def record() -> None:
                     _cuda.call("recording an event", _cuda.rt().eventRecord, ptr, stream_ptr)
+
+                if self._words is not None:  # exported: its consumers' streams wait for its word
+                    _words.record_event(self._words, stream_ptr, record)
+                else:
+                    record()
         except IpcError as e:
             raise _cuda.of_another_gpu(e, stream_ptr, self._device, "the event") from e
         if self._opened and self._handle is not None and self._handle._f.pair:

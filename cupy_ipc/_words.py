@@ -233,8 +233,7 @@ def take_pair(seg: Any, device: int) -> EventWords | None:
             pair, written, _next_pair = _next_pair, 0, _next_pair + 1
         else:
             return None
-    at = issued_word(pair)
-    words.set(at, words.read(at) | 1)  # a record made before the export has no word: consumers poll for it
+    mark_unworded(words, pair)  # a record made before the export has no word: consumers poll for it
     return EventWords(words, pair, written)
 
 
