@@ -18,8 +18,9 @@ average however many exports await their consumers (a pool mapping over
 thousands of arrays), for at most an eighth more pins held. An export made
 while a sender of ``multiprocessing`` pickles its message (see
 ``cupy_ipc.multiprocessing``) leaves that sweep to the sender, which makes it
-once the message has left: then the receiver's open, not the message's trip,
-waits for it. A lease that runs
+once the message has left (a queue's, once its write lock is released, which
+the queue's other writers wait for): then the receiver's open, not the
+message's trip, waits for it. A lease that runs
 out is revoked at once by a background thread, so that consumers are refused
 even if this process never exports again; its memory goes at the next sweep.
 """

@@ -212,6 +212,7 @@ class _MessageState(threading.local):
     dumped: "list[Any] | None" = None  # those of the last whole message pickled
     pickled: "tuple[Any, list[Any]] | None" = None  # (its buffer, its exports), until a sender writes it
     unopened: "tuple[Any, Any, Exception] | None" = None  # a pool's task that fails (see _fails_the_task)
+    locked = False  # this thread writes under a queue's write lock: the sweep waits for its release (_Unlocked)
 
 
 _in_message = _MessageState()
@@ -279,8 +280,9 @@ def _dumps(cls: type, obj: Any, protocol: int | None = None) -> Any:
 # released if its write fails. Not those of a message pickled by the user's own dumps(): its bytes may be sent
 # anywhere, any number of times. And only on the write's own failure, which leaves no whole message with a
 # receiver: an error raised after the bytes left (a signal handler's) must leave the receiver its arrays.
-_SENDERS = frozenset({_queues.Queue._feed.__code__, _queues.SimpleQueue.put.__code__,
-                      _connection._ConnectionBase.send.__code__})
+_plain_feed: Any = globals().get("_plain_feed", _queues.Queue._feed)
+_plain_put: Any = globals().get("_plain_put", _queues.SimpleQueue.put)
+_SENDERS = frozenset({_plain_feed.__code__, _plain_put.__code__, _connection._ConnectionBase.send.__code__})
 _NOT_SENT = frozenset({errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN, errno.ESHUTDOWN})
 _plain_send_bytes: Any = globals().get("_plain_send_bytes", _connection.Connection._send_bytes)
 
@@ -299,8 +301,47 @@ def _send_bytes(conn: Any, buf: Any) -> None:
             _release_all(pickled[1])
         raise
     finally:
-        # The sweep its exports left (see _keepalive.deferral): now, while the receiver opens the message.
+        # The sweep its exports left (see _keepalive.deferral): now, while the receiver opens the message; a
+        # queue's, once its write lock is released (see _Unlocked), so that its other writers need not wait.
+        if not _in_message.locked:
+            _keepalive.sweep_owed()
+
+
+class _Unlocked:
+    """A queue's write lock as the queue's feeder thread takes it: while it is held, the sweep that a message's
+    exports left to its sender waits (see _send_bytes), and releasing it makes the sweep. (A feeder started
+    before this module was imported has the plain lock: its writes sweep at once, inside it.)"""
+
+    __slots__ = ("_acquire", "_release")
+
+    def __init__(self, lock: Any) -> None:
+        self._acquire, self._release = lock.acquire, lock.release
+
+    def acquire(self, *args: Any) -> Any:
+        got = self._acquire(*args)
+        _in_message.locked = True
+        return got
+
+    def release(self) -> None:
+        _in_message.locked = False
+        self._release()
         _keepalive.sweep_owed()
+
+
+def _feed(buffer: Any, notempty: Any, send_bytes: Any, writelock: Any, *rest: Any) -> Any:
+    # Queue._feed, each queue's feeder thread (writelock: None on Windows, whose pipe writes need no lock).
+    return _plain_feed(buffer, notempty, send_bytes, None if writelock is None else _Unlocked(writelock), *rest)
+
+
+def _put(queue: Any, obj: Any) -> None:
+    # SimpleQueue.put, which writes under the queue's write lock: the sweep once the lock is released.
+    outer, _in_message.locked = _in_message.locked, True
+    try:
+        _plain_put(queue, obj)
+    finally:
+        _in_message.locked = outer
+        if not outer:
+            _keepalive.sweep_owed()
 
 
 _plain_checked_send: Any = globals().get("_plain_checked_send", _connection._ConnectionBase.send_bytes)
@@ -607,6 +648,8 @@ def init_reductions() -> None:
     ForkingPickler.dumps = classmethod(_dumps)  # type: ignore[assignment,method-assign]
     _connection.Connection._send_bytes = _send_bytes  # type: ignore[method-assign]  # every message's write
     _connection._ConnectionBase.send_bytes = _checked_send  # type: ignore[method-assign]  # SimpleQueue.put's
+    _queues.Queue._feed = staticmethod(_feed)  # type: ignore[method-assign]  # each feeder thread, as it starts
+    _queues.SimpleQueue.put = _put  # type: ignore[method-assign]
     _process.BaseProcess.start = _start  # type: ignore[method-assign]  # every process's, whatever its context
     ForkingPickler.loads = staticmethod(_loads)  # type: ignore[assignment]  # every message received
     _registered = True

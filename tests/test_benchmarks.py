@@ -20,6 +20,7 @@ FLOOR = SUITE.parent / "floor.py"
 PRIMITIVES = SUITE.parent / "primitives.py"
 WAKE = SUITE.parent / "wake.py"
 RELEASE = SUITE.parent / "release.py"
+WRITERS = SUITE.parent / "writers.py"
 
 
 def _benchmark_module(name):
@@ -30,11 +31,16 @@ def _benchmark_module(name):
         sys.path.remove(str(SUITE.parent))
 
 
-def test_without_a_gpu_the_suite_says_so():
+@pytest.mark.parametrize(("script", "args", "prog"), [
+    (SUITE, [], "suite"), (STEPS, [], "steps"), (RELEASE, ["--iters", "3"], "release"),
+    (FLOOR, ["--methods", "raw,floor"], "roundtrip"), (WRITERS, ["--writers", "2"], "writers"),
+    (PRIMITIVES, [], "primitives")])
+def test_without_a_gpu_each_benchmark_says_so_and_measures_nothing(script, args, prog):
     if unavailable_reason() is None:
-        pytest.skip("a GPU is visible: the smoke run below runs instead")
-    r = subprocess.run([sys.executable, str(SUITE)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("suite: no GPU:")
+        pytest.skip("a GPU is visible: the benchmark's GPU run below runs instead")
+    r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith(f"{prog}: no GPU:"), r.stderr[-2000:]
+    assert "|" not in r.stdout  # no table row
 
 
 def test_an_unknown_suite_step_is_refused_before_anything_runs():
@@ -51,32 +57,10 @@ def test_the_wake_timer_reports_every_case_it_was_given():
     assert [(b.strip(), i.strip()) for b, i in rows] == [("0", "0"), ("0", "100"), ("50", "0"), ("50", "100")]
 
 
-def test_without_a_gpu_the_step_timer_says_so():
-    if unavailable_reason() is None:
-        pytest.skip("a GPU is visible: the step timer's GPU run below runs instead")
-    r = subprocess.run([sys.executable, str(STEPS)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("steps: no GPU:")
-
-
-def test_without_a_gpu_the_release_timer_says_so():
-    if unavailable_reason() is None:
-        pytest.skip("a GPU is visible")
-    r = subprocess.run([sys.executable, str(RELEASE), "--iters", "3"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("release: no GPU:")
-
-
 def test_the_release_timer_refuses_an_unknown_method_before_anything_runs():
     r = subprocess.run([sys.executable, str(RELEASE), "--methods", "raw,cupy-ipc"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "unknown method(s) cupy-ipc: choose from raw, raw-word," in r.stderr
-
-
-def test_without_a_gpu_the_floor_prototype_says_so():
-    if unavailable_reason() is None:
-        pytest.skip("a GPU is visible: the floor prototype's GPU run below runs instead")
-    r = subprocess.run([sys.executable, str(FLOOR), "--methods", "raw,floor"], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("roundtrip: no GPU:")
 
 
 @pytest.mark.gpu
@@ -100,6 +84,22 @@ def test_paired_carries_mp_with_either_order_of_its_sweep():
         assert re.search(rf"\| {kind} \| \d+\.\d \| \d+\.\d \| \d+\.\d \|", r.stdout), kind
 
 
+def test_the_writers_timer_refuses_an_unknown_queue_before_anything_runs():
+    r = subprocess.run([sys.executable, str(WRITERS), "--queues", "simple,joinable"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--queues: choose among simple, queue" in r.stderr
+
+
+@pytest.mark.gpu
+def test_the_writers_timer_carries_every_writers_arrays_in_both_orders():
+    r = subprocess.run([sys.executable, str(WRITERS), "--writers", "1,3", "--hold", "0,5", "--iters", "10",
+                        "--rounds", "2", "--check"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = r.stdout.split("\n\n")[-1]  # every array read back as its writer's (--check)
+    cases = re.findall(r"^\| (simple|queue) \| (\d) \| (\d) \| \d+ \| \d+ \| \d+\.\d\d \|", table, re.M)
+    assert cases == [(q, w, h) for q in ("simple", "queue") for w in ("1", "3") for h in ("0", "5")]
+
+
 @pytest.mark.gpu
 def test_the_step_timer_reports_every_step_of_each_method():
     r = subprocess.run([sys.executable, str(STEPS), "--iters", "5"], capture_output=True, text=True, timeout=200)
@@ -111,13 +111,6 @@ def test_the_step_timer_reports_every_step_of_each_method():
             assert "consumer: open" in section and "consumer: close" in section
     assert re.search(r"producer _keepalive\.pin +\d", r.stdout)  # the library's own functions are timed
     assert re.search(r"consumer _mapping\.acquire +\d", r.stdout)
-
-
-def test_without_a_gpu_the_primitives_timer_says_so():
-    if unavailable_reason() is None:
-        pytest.skip("a GPU is visible: the primitives timer's GPU run below runs instead")
-    r = subprocess.run([sys.executable, str(PRIMITIVES)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.startswith("primitives: no GPU:") and r.stdout == ""
 
 
 @pytest.mark.gpu

@@ -502,6 +502,65 @@ def test_a_sent_message_ends_the_pins_of_finished_exports_once_it_has_left():
     assert there.recv() == [[]]
 
 
+def _ended(export_id: int) -> bool:
+    deadline = time.monotonic() + 30
+    while _keepalive.lookup(export_id) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # (a Queue's feeder thread sweeps after its write, maybe after the receiver's get)
+    return _keepalive.lookup(export_id) is None
+
+
+@pytest.mark.parametrize("kind", ["SimpleQueue", "Queue"])
+def test_a_queues_message_ends_the_pins_of_finished_exports_once_its_write_lock_is_released(kind, monkeypatch):
+    # The queue's other writers (a pool's workers sending results) wait for that lock: not for the sweep too.
+    q = getattr(multiprocessing.get_context("spawn"), kind)()
+    held = []
+    sweep_owed = _keepalive.sweep_owed
+
+    def noting_the_lock() -> None:
+        if _keepalive._owed:
+            free = q._wlock.acquire(False)
+            if free:
+                q._wlock.release()
+            held.append(not free)
+        sweep_owed()
+
+    monkeypatch.setattr(_keepalive, "sweep_owed", noting_the_lock)
+    done = _finished_pin()
+    part = _PinsOnPickling(done)
+    q.put([part])
+    assert q.get() == [[]]
+    assert _ended(done) and part.done_was_pinned
+    assert held == [False]
+    _keepalive.release(part.pinned)
+
+
+def test_a_queue_whose_feeder_started_before_the_import_still_ends_finished_pins():
+    # Its feeder thread has the plain write lock, whose release is not seen: its writes sweep inside the lock.
+    code = """if True:
+        import multiprocessing, time
+        q = multiprocessing.get_context("spawn").Queue()
+        q.put("started")
+        import cupy_ipc.multiprocessing
+        from cupy_ipc import _keepalive
+
+        class PinsOnPickling:
+            def __reduce__(self):
+                self.pinned = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))[0]
+                return list, ()
+
+        done, slot, *_ = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+        _keepalive._segment_here().write_opens(slot, 1)
+        q.put([PinsOnPickling()])
+        assert q.get(timeout=60) == "started" and q.get(timeout=60) == [[]]
+        deadline = time.monotonic() + 30
+        while _keepalive.lookup(done) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("ended" if _keepalive.lookup(done) is None else "pinned")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["ended"], out.stderr[-2000:]
+
+
 def test_a_queue_made_before_the_import_releases_what_its_failed_send_exported():
     # Queues bind their writer's send_bytes when they are made (and unpickled): the write itself is wrapped.
     code = """if True:
