@@ -173,15 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=100, help="messages per writer, order and round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--check", action="store_true", help="read every array (slower: for tests)")
+    parser.add_argument("--idle", type=int, help="the consumer's idle mapping limit (default: the library's)")
     args = parser.parse_args(argv)
     kinds = args.queues.split(",")
     if not set(kinds) <= set(QUEUES):
         parser.error(f"--queues: choose among {', '.join(QUEUES)}")
-    if min(args.writers) < 1 or min(args.hold) < 0 or args.iters < 1 or args.rounds < 1 or args.buffers < 1:
-        parser.error("--writers, --iters, --rounds and --buffers must be positive, --hold not negative")
+    if min(args.writers) < 1 or min(args.hold) < 0 or args.iters < 1 or args.rounds < 1 or args.buffers < 1 \
+            or (args.idle or 0) < 0:
+        parser.error("--writers, --iters, --rounds and --buffers must be positive, --hold and --idle not negative")
     if roundtrip.no_gpu("writers"):
         return 1
     nbytes = roundtrip.parse_size(args.size)
+    if args.idle is not None:
+        import cupy_ipc
+
+        cupy_ipc.set_idle_mapping_limit(args.idle)
     print(markdown([]).splitlines()[0] + "\n" + markdown([]).splitlines()[1], flush=True)
     rows = [row for kind in kinds for n in args.writers
             for row in run_case(kind, n, args.hold, nbytes, args.iters, args.rounds, args.buffers,

@@ -125,8 +125,11 @@ _RELEASED_MAX = 1024
 def set_idle_mapping_limit(n: int) -> int:
     """Keep at most ``n`` unused mappings for re-opening; returns the old limit.
 
-    A re-sent buffer whose mapping is idle opens without a CUDA IPC call.
-    ``0`` unmaps as soon as the last array using a mapping is gone. Idle
+    A re-sent buffer whose mapping is idle opens without a CUDA IPC call, so
+    a consumer that takes turns among more re-sent buffers than ``n`` (from
+    several producers, say) maps and unmaps one per message: set ``n`` to
+    the number of buffers in turn. ``0`` unmaps as soon as the last array
+    using a mapping is gone. Idle
     mappings of virtual memory, which keep a descriptor per piece, are also
     evicted (oldest first) past a quarter of the open-file limit.
 
