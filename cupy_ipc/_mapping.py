@@ -36,7 +36,10 @@ driver refuses to import it while the old mapping lives:
 hands back the old mapping, which then held the new allocation's memory). So
 a mapping is reused only for the producer's same allocation (its buffer id is
 in the key), and before an import the idle mappings it collides with are
-unmapped.
+unmapped. (CUDA's documentation calls such a free, before the importer's
+close, undefined, as it does a free between a claim's release and the close
+that follows it on the closer thread: what is handled here is what the driver
+was seen to do.)
 """
 
 from __future__ import annotations
