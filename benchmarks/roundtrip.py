@@ -73,7 +73,8 @@ VARIANTS = {"cupy_ipc-nosync": {"sync": False}, "cupy_ipc-nokeep": {"keepalive":
 # mp with each export's sweep made while its message is pickled, as before 2026-12-03, to show what making it
 # once the message has left saves (not in the default list either).
 EAGER = "mp-eager"
-SENT_WHOLE = ("torch", "mp", "pool", "vmm", EAGER)  # the array itself on the queue
+BY_MODULE = ("mp", "pool", "vmm", EAGER)  # the array itself on a queue of cupy_ipc.multiprocessing
+SENT_WHOLE = ("torch", *BY_MODULE)  # the array itself on the queue
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 FLUSH = "flush"  # to a consumer: close the mappings kept for re-sent buffers, which are about to be freed
 
@@ -149,7 +150,7 @@ def load_reductions(methods: Collection[str]) -> None:
     ``cupy_ipc.multiprocessing``'s for arrays (so that results would travel by handle too)."""
     if "torch" in methods:
         import torch  # noqa: F401 - importing torch registers its reductions
-    if not {"mp", "pool", "vmm", EAGER}.isdisjoint(methods):
+    if not set(BY_MODULE).isdisjoint(methods):
         import cupy_ipc.multiprocessing  # noqa: F401
 
 
@@ -218,7 +219,7 @@ def _message(method: str, arr: Any, resent: bool, cache: dict[str, Any]) -> Any:
 
         return cupy_ipc.get_ipc_handle(arr, **VARIANTS.get(method, {})).to_bytes()
     if method in SENT_WHOLE:
-        if method != "torch":
+        if method in BY_MODULE:
             _sweep_order(method)
         return arr
     return cupy.asnumpy(arr)
@@ -374,7 +375,7 @@ def _context(method: str) -> Any:
         import torch.multiprocessing as tmp
 
         return tmp.get_context("spawn")
-    if method in ("mp", "pool", "vmm", EAGER):
+    if method in BY_MODULE:
         import cupy_ipc.multiprocessing as cmp
 
         return cmp.get_context("spawn")

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         import cupy_ipc
 
         cupy_ipc.set_idle_mapping_limit(args.idle)
-    print(markdown([]).splitlines()[0] + "\n" + markdown([]).splitlines()[1], flush=True)
+    print(markdown([]), flush=True)  # the header; each case's row follows as it is measured
     rows = [row for kind in kinds for n in args.writers
             for row in run_case(kind, n, args.hold, nbytes, args.iters, args.rounds, args.buffers,
                                     args.check)]
