@@ -14,7 +14,8 @@ the lease is released:
 3. a mapping with no users is unmapped (a legacy handle's on the closer
    thread, since that close waits for the whole GPU), unless the same allocation was
    released here before (a buffer sent again): then it is kept idle for
-   re-opening (up to :func:`set_idle_mapping_limit`) and unmapped when
+   re-opening (up to :func:`set_idle_mapping_limit`, which grows while the
+   mappings it evicts are wanted again) and unmapped when
    evicted or collected, or at the next import once its producer has
    exited. An imported pool allocation must be freed here
    before its producer frees it (CUDA's rule), so it is kept idle only with
@@ -115,6 +116,11 @@ _lock = threading.RLock()
 _active: dict[tuple[Any, ...], _Mapping] = {}
 _idle: "collections.OrderedDict[tuple[Any, ...], _Mapping]" = collections.OrderedDict()
 _idle_limit = 16
+_idle_grows = True  # the limit rises while the mappings it evicted are wanted again (set_idle_mapping_limit)
+IDLE_GROWS_TO = 256
+# Keys of mappings that the limit evicted, newest last: one imported again means the limit is below the number of
+# buffers the consumer takes turns among.
+_evicted: "collections.OrderedDict[tuple[Any, ...], None]" = collections.OrderedDict()
 _idle_fds = 0  # descriptors that idle mappings keep open
 _idle_fd_limit: int | None = None  # set on first use from the open-file limit
 # By (producer's token, slot): the in-use lock is the slot's, one per process (open file description), whichever
@@ -125,26 +131,31 @@ _released: "collections.OrderedDict[tuple[Any, ...], None]" = collections.Ordere
 _RELEASED_MAX = 1024
 
 
-def set_idle_mapping_limit(n: int) -> int:
-    """Keep at most ``n`` unused mappings for re-opening; returns the old limit.
+def set_idle_mapping_limit(n: int, *, grow: bool = False) -> int:
+    """Keep at most ``n`` unused mappings for re-opening; returns the limit before.
 
     A re-sent buffer whose mapping is idle opens without a CUDA IPC call, so
-    a consumer that takes turns among more re-sent buffers than ``n`` (from
-    several producers, say) maps and unmaps one per message: set ``n`` to
-    the number of buffers in turn. ``0`` unmaps as soon as the last array
-    using a mapping is gone. Idle
+    a consumer that takes turns among more re-sent buffers than the limit
+    (from several producers, say) would map and unmap one per message. By
+    default the limit starts at 16 and rises by one each time a mapping it
+    evicted is mapped again, up to 256: to the number of buffers in turn. A
+    limit set here stays as set, unless ``grow``. ``0`` unmaps as soon as the
+    last array using a mapping is gone. An idle mapping keeps its memory
+    allocated even once its producer frees it, until it is evicted or
+    :func:`cupy_ipc.collect` unmaps it. Idle
     mappings of virtual memory, which keep a descriptor per piece, are also
     evicted (oldest first) past a quarter of the open-file limit.
 
     Example:
         >>> old = set_idle_mapping_limit(0)
-        >>> set_idle_mapping_limit(old)
+        >>> set_idle_mapping_limit(old, grow=True)
         0
     """
-    global _idle_limit
+    global _idle_limit, _idle_grows
     n = checked_count(n, "the idle mapping limit", 0)
     with _lock:
-        old, _idle_limit = _idle_limit, n
+        old, _idle_limit, _idle_grows = _idle_limit, n, bool(grow)
+        _evicted.clear()
         _trim_idle()
     _close_pending()
     return old
@@ -176,7 +187,11 @@ def _trim_idle() -> None:
     # Unmapped here rather than on the background thread: measured with fresh
     # buffers, an unmap there slowed the next open more than it saved here.
     while len(_idle) > _idle_limit:
-        _discard_oldest()
+        key = _discard_oldest()
+        if _idle_grows:
+            _evicted[key] = None
+            if len(_evicted) > IDLE_GROWS_TO:
+                _evicted.popitem(last=False)
     if _idle_fds and _idle_fds > _fd_limit():
         for key in [k for k, m in _idle.items() if m.descriptors]:  # oldest first
             _discard(_unpark(key))  # type: ignore[arg-type]
@@ -184,8 +199,20 @@ def _trim_idle() -> None:
                 break
 
 
-def _discard_oldest() -> None:
-    _discard(_unpark(next(iter(_idle))))  # type: ignore[arg-type]
+def _discard_oldest() -> tuple[Any, ...]:
+    key = next(iter(_idle))
+    _discard(_unpark(key))  # type: ignore[arg-type]
+    return key
+
+
+def _wanted_again(key: tuple[Any, ...]) -> None:
+    """An import of ``key``: if the limit evicted its mapping, raise the limit by one (see
+    :func:`set_idle_mapping_limit`). The caller holds ``_lock``."""
+    global _idle_limit
+    if key in _evicted:
+        del _evicted[key]
+        if _idle_grows and _idle_limit < IDLE_GROWS_TO:
+            _idle_limit += 1
 
 
 def _discard(m: _Mapping) -> None:
@@ -392,6 +419,8 @@ def _map(key: tuple[Any, ...], device: int, memory_handle: bytes, allocation_siz
         if own_ptr is not None:
             m = _Mapping(own_ptr, device, imported=False)
         else:
+            if _evicted:
+                _wanted_again(key)
             if _idle:
                 _drop_idle_of_exited()
             if importer is not None:
@@ -829,6 +858,7 @@ def _forget_after_fork() -> None:
     _lock = threading.RLock()  # another thread may have held it at the fork
     _active.clear()
     _idle.clear()
+    _evicted.clear()
     _idle_fds = 0
     _claims.clear()
     _released.clear()

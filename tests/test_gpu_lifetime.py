@@ -480,6 +480,25 @@ def test_idle_mappings_of_a_producer_that_has_gone_are_unmapped_at_the_next_impo
     assert after["free_mem"] - before["free_mem"] >= 0.9 * 4 * n  # the gone producer's memory is free again
 
 
+@pytest.mark.parametrize("grow", [True, False], ids=["growing", "fixed-limit-control"])
+def test_a_consumer_taking_turns_among_more_buffers_than_the_idle_limit_keeps_them_all_mapped(remote, grow):
+    # With the limit fixed at 16, a ring of 24 re-sent buffers mapped and unmapped one per message (a third of
+    # the messages a second, measured). By default the limit grows to the ring: its last round reuses every
+    # mapping of the round before.
+    consumer, producer = remote(), remote()
+    buffers = 24
+    if not grow:
+        assert consumer.call("set_idle_limit", 16, False) == 16  # the default's start
+    got = consumer.call("open_each", producer.call("export_ring", 1024, buffers, 4))
+    assert [g["value"] for g in got] == [float(i % buffers) for i in range(4 * buffers)]
+    third, last = got[2 * buffers:3 * buffers], got[3 * buffers:]
+    if grow:
+        assert [g["idle"] for g in last] == [buffers] * buffers
+        assert [g["ptr"] for g in last] == [g["ptr"] for g in third]
+    else:
+        assert [g["idle"] for g in last] == [16] * buffers
+
+
 @pytest.mark.parametrize("first, second", [(1 << 10, 1 << 18), (1 << 18, 1 << 18)],
                          ids=["4KiB-then-1MiB", "same-size"])
 def test_a_new_allocation_at_the_addresses_of_an_idle_mapping_opens_as_itself(remote, first, second):

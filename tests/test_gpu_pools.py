@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
+
+from workers import open_fd_paths
 
 pytestmark = pytest.mark.gpu
 
@@ -268,8 +271,7 @@ def test_no_descriptor_leak_over_many_round_trips(remote):
 
     def fds():
         cupy_ipc.collect()
-        return sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-                      if os.path.exists(f"/proc/self/fd/{fd}")), consumer.call("open_fds")
+        return open_fd_paths(), consumer.call("open_fd_paths")
 
     # Warm-up, then two equal halves: a leak grows in both. Seen on an H200:
     # the driver opens one more /dev/shm/cuda.shm.* file after some hundreds of
@@ -280,8 +282,8 @@ def test_no_descriptor_leak_over_many_round_trips(remote):
     mid = fds()
     trips(500)
     after = fds()
-    assert after[1] == mid[1]
-    assert after[0] == mid[0], (set(after[0]) - set(mid[0]))
+    assert after[1] == mid[1], Counter(after[1]) - Counter(mid[1])
+    assert after[0] == mid[0], Counter(after[0]) - Counter(mid[0])
 
 
 def test_two_pools_keep_their_own_blocks_and_leave_the_devices_current_pool_alone():

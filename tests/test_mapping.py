@@ -55,6 +55,61 @@ def test_without_an_origin_every_idle_legacy_mapping_of_the_device_goes(idle):
     assert discarded == [1] and [k[1] for k in _mapping._idle] == [2, 3]
 
 
+@pytest.fixture
+def growing(idle, monkeypatch):
+    """The idle table of :func:`idle` with room for two, growing as by default, no mapping evicted yet."""
+    monkeypatch.setattr(_mapping, "_idle_limit", 2)
+    monkeypatch.setattr(_mapping, "_idle_grows", True)
+    monkeypatch.setattr(_mapping, "_evicted", collections.OrderedDict())
+    return idle
+
+
+def test_the_idle_limit_grows_by_one_for_each_mapping_it_evicted_that_is_wanted_again(growing):
+    # A consumer taking turns among more re-sent buffers than the limit mapped and unmapped one per message, at a
+    # third of the messages a second (measured with eight producers of four buffers each).
+    put, discarded = growing
+    for ptr in (1, 2, 3):
+        put(ptr, None)
+    with _mapping._lock:
+        _mapping._trim_idle()
+        assert discarded == [1] and list(_mapping._evicted) == [("key", 1)]
+        _mapping._wanted_again(("key", 4))  # never evicted: a buffer new to this consumer
+        assert _mapping._idle_limit == 2
+        _mapping._wanted_again(("key", 1))
+        assert _mapping._idle_limit == 3 and not _mapping._evicted
+        _mapping._wanted_again(("key", 1))  # counted once
+        assert _mapping._idle_limit == 3
+
+
+def test_the_idle_limit_grows_no_further_than_its_ceiling_nor_remembers_more_evictions(growing, monkeypatch):
+    put, discarded = growing
+    monkeypatch.setattr(_mapping, "IDLE_GROWS_TO", 3)
+    for ptr in range(1, 7):
+        put(ptr, None)
+    with _mapping._lock:
+        _mapping._trim_idle()
+        assert list(_mapping._evicted) == [("key", 2), ("key", 3), ("key", 4)]  # the newest three
+        for ptr in (2, 3, 4):
+            _mapping._wanted_again(("key", ptr))
+    assert _mapping._idle_limit == 3
+
+
+def test_a_limit_set_by_hand_stays_as_set_unless_told_to_grow(growing):
+    put, discarded = growing
+    for ptr in (1, 2, 3):
+        put(ptr, None)
+    assert _mapping.set_idle_mapping_limit(2) == 2
+    assert discarded == [1] and not _mapping._evicted  # nothing remembered: the limit does not grow
+    with _mapping._lock:
+        _mapping._wanted_again(("key", 1))
+    assert _mapping._idle_limit == 2
+    assert _mapping.set_idle_mapping_limit(1, grow=True) == 2
+    assert discarded == [1, 2] and list(_mapping._evicted) == [("key", 2)]
+    with _mapping._lock:
+        _mapping._wanted_again(("key", 2))
+    assert _mapping._idle_limit == 2
+
+
 # --- interrupts (Ctrl-C) in the consumer's bookkeeping ------------------------------------------------------
 @pytest.fixture
 def producer(monkeypatch):

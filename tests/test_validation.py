@@ -1111,7 +1111,7 @@ def test_the_idle_mapping_limit_is_a_count(limit, error):
     with pytest.raises(error, match="the idle mapping limit must be"):
         cupy_ipc.set_idle_mapping_limit(limit)
     old = cupy_ipc.set_idle_mapping_limit(np.int64(4))  # unchanged by the refusals above
-    assert cupy_ipc.set_idle_mapping_limit(old) == 4
+    assert cupy_ipc.set_idle_mapping_limit(old, grow=True) == 4
 
 
 @pytest.mark.parametrize("name, args, kwargs, match", [

@@ -135,6 +135,17 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def open_fd_paths() -> list[str]:
+    """What this process's descriptors name, sorted."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return sorted(paths)
+
+
 def segments() -> int:
     from cupy_ipc._segment import _dir
 
@@ -827,6 +838,18 @@ def export_times(n: int, value: float, times: int, pool: bool = False) -> list[b
     return [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(times)]
 
 
+def export_ring(n: int, buffers: int, rounds: int) -> list[bytes]:
+    """``buffers`` arrays of ``n`` float32, the ``i``-th filled with ``i``, kept, and exported in turn ``rounds``
+    times: a pipeline's ring of buffers sent again."""
+    import cupy
+
+    import cupy_ipc
+
+    ring = [cupy.full(n, i, cupy.float32) for i in range(buffers)]
+    _held.setdefault("exported", []).extend(ring)
+    return [cupy_ipc.get_ipc_handle(a).to_bytes() for _ in range(rounds) for a in ring]
+
+
 def replace_exported(n: int, value: float) -> tuple[bytes, bool]:
     """Free the arrays this helper exported (their memory goes back to the driver once their pins end), then
     export a new array of ``n`` float32 of ``value``; its handle, and whether the driver gave it the freed
@@ -887,12 +910,20 @@ def pinned_count() -> int:
 def reopen_after_eviction(items: list[bytes]) -> list[float]:
     """Open handles in turn with room for one idle mapping, so each open evicts the last one."""
     import cupy_ipc
+    from cupy_ipc import _mapping
 
+    grows = _mapping._idle_grows
     old = cupy_ipc.set_idle_mapping_limit(1)
     try:
         return [read_first(d) for d in items]
     finally:
-        cupy_ipc.set_idle_mapping_limit(old)
+        cupy_ipc.set_idle_mapping_limit(old, grow=grows)
+
+
+def set_idle_limit(n: int, grow: bool) -> int:
+    import cupy_ipc
+
+    return cupy_ipc.set_idle_mapping_limit(n, grow=grow)
 
 
 def cross_device_open(data: bytes, device: int | None, copy: bool) -> dict[str, Any]:
