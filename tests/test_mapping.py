@@ -7,6 +7,8 @@ import contextlib
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_keepalive import _eventually
 
 from cupy_ipc import _mapping
@@ -108,6 +110,38 @@ def test_a_limit_set_by_hand_stays_as_set_unless_told_to_grow(growing):
     with _mapping._lock:
         _mapping._wanted_again(("key", 2))
     assert _mapping._idle_limit == 2
+
+
+@given(st.lists(st.integers(0, 24), max_size=300))
+def test_a_consumer_taking_buffers_in_any_order_keeps_the_idle_table_within_a_limit_grown_only_by_evictions(turns):
+    # Each turn opens a buffer and lets it go again, as a consumer of re-sent buffers does: from its idle mapping
+    # if it has one, else by an import, which raises the limit only if the limit evicted that mapping before.
+    discarded: list[int] = []
+    saved = {name: getattr(_mapping, name) for name in ("_idle", "_idle_limit", "_idle_grows", "_evicted",
+                                                        "_discard", "IDLE_GROWS_TO")}
+    _mapping._idle, _mapping._evicted = collections.OrderedDict(), collections.OrderedDict()
+    _mapping._idle_limit, _mapping._idle_grows, _mapping.IDLE_GROWS_TO = 4, True, 12
+    _mapping._discard = lambda m: discarded.append(m.ptr)
+    try:
+        evicted_ever: set[int] = set()
+        for buffer in turns:
+            key = ("key", buffer)
+            with _mapping._lock:
+                before = _mapping._idle_limit
+                if _mapping._unpark(key) is None:  # an import
+                    grows = key in _mapping._evicted and before < _mapping.IDLE_GROWS_TO
+                    _mapping._wanted_again(key)
+                    assert _mapping._idle_limit == before + grows
+                    assert not grows or buffer in evicted_ever
+                _mapping._park(key, _mapping._Mapping(buffer, 0, imported=True))
+                _mapping._trim_idle()
+                evicted_ever.update(discarded)
+                assert len(_mapping._idle) <= _mapping._idle_limit <= _mapping.IDLE_GROWS_TO
+                assert len(_mapping._evicted) <= _mapping.IDLE_GROWS_TO
+                assert not set(_mapping._evicted) & set(_mapping._idle)
+    finally:
+        for name, value in saved.items():
+            setattr(_mapping, name, value)
 
 
 # --- interrupts (Ctrl-C) in the consumer's bookkeeping ------------------------------------------------------
