@@ -634,7 +634,8 @@ def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
             _mapping.opened(lease)
         except BaseException:
             mem = arr = None  # no array of the mapping left in the traceback's frame once it is gone
-            _words.park(seg)  # a stream may wait on its words, which a close would unregister
+            if f.flags & FLAG_WORD:  # a stream may wait on its words, which a close would unregister
+                _words.park(seg)
             _mapping.abandon(lease, last_try)  # now, not when the traceback (which holds the lease) goes
             raise
     except _cuda._runtime_error() as e:
@@ -1102,7 +1103,8 @@ class IpcArrayHandle:
                 _mapping.opened(lease)
         except BaseException:
             mem = arr = None  # no array of the mapping left in the traceback's frame once it is gone
-            _words.park(seg)  # a stream may wait on its words, which a close would unregister
+            if f.flags & FLAG_WORD:  # a stream may wait on its words, which a close would unregister
+                _words.park(seg)
             _mapping.abandon(lease, last_try)  # now, not when the traceback (which holds the lease) goes
             raise
         return arr

@@ -64,7 +64,7 @@ _pending: dict[Any, "_Gate"] = {}  # by this process's word, or (words, slot, va
 
 
 class _Gate:
-    __slots__ = ("word", "value", "event", "device", "segment", "pid", "lease", "since", "check_at", "words")
+    __slots__ = ("word", "value", "event", "device", "segment", "pid", "leases", "since", "check_at", "words")
 
     def __init__(self, word: Any, value: int, event: Any, device: int, segment: Any, pid: int, lease: Any,
                  words: Any = None) -> None:
@@ -72,7 +72,7 @@ class _Gate:
         # producer's, ``event`` None), the producer's slot, which its GPU sets.
         self.word, self.value, self.event, self.device, self.words = word, value, event, device, words
         self.segment, self.pid = segment, pid  # the producer's segment tells whether it lives
-        self.lease = weakref.ref(lease) if lease is not None else None
+        self.leases = [weakref.ref(lease)] if lease is not None else []  # the opens it serves (see wait_word)
         self.since = self.check_at = time.monotonic()
 
 
@@ -118,8 +118,12 @@ def wait_word(words: Any, slot: int, value: int, stream_ptr: int, device: int, s
     if not _words.wait(words, stream_ptr, slot, value):
         return False
     with _cond:
-        _pending[(words, slot, value)] = gate  # (the same wait twice: one watch serves both)
-        _cond.notify()
+        served = _pending.get((words, slot, value))
+        if served is None:
+            _pending[(words, slot, value)] = gate
+            _cond.notify()
+        else:  # the same wait twice (two opens of one export): one watch serves, and marks, both
+            served.leases += gate.leases
     return True
 
 
@@ -348,9 +352,10 @@ def _check(g: _Gate, now: float) -> None:
 
 
 def _mark(g: _Gate, reason: str) -> None:
-    lease = g.lease() if g.lease is not None else None
-    if lease is not None:
-        lease.incomplete = (g.pid, reason)
+    for ref in g.leases:
+        lease = ref()
+        if lease is not None:
+            lease.incomplete = (g.pid, reason)
     warn_quietly(f"released a stream that waited for another process's work: {reason}; what the stream reads of "
                  f"that work may be incomplete")
 

@@ -218,11 +218,13 @@ def _wanted_again(key: tuple[Any, ...]) -> None:
 def _discard(m: _Mapping) -> None:
     """Let an idle mapping go: a legacy handle's is closed once ``_lock`` is released (:func:`_close_later`);
     another is unmapped now, then its producer may free the memory (in that order: CUDA's rule)."""
-    if m.imported and m.close is None:
-        _close_later(m)
-    else:
-        m.unmap()
-    _drop_held(m)
+    try:
+        if m.imported and m.close is None:
+            _close_later(m)
+        else:
+            m.unmap()
+    finally:  # also if interrupted (Ctrl-C once the driver returned): the mapping is gone from the tables
+        _drop_held(m)
 
 
 def _drop_held(m: _Mapping) -> None:
@@ -586,9 +588,7 @@ def _retire(key: tuple[Any, ...], m: _Mapping, claim_key: tuple[bytes, int] | No
     held = m.hold_claim and claim_key is not None
     if _idle_limit and released and (held or not m.hold_claim) and _released_before(key):
         m.held = claim_key if held else None
-        _park(key, m)
-        if len(_idle) > _idle_limit or _idle_fds:
-            _trim_idle()
+        _park(key, m)  # (trimmed by the caller, once it knows that the claim was handed over)
         return held, None
     if m.close is None:
         return False, m
@@ -684,6 +684,8 @@ def _finish(mapping_key: tuple[Any, ...], claim_key: tuple[bytes, int] | None, r
                     m.users -= 1
                     if not m.users:
                         kept, unmapped = _retire(mapping_key, m, claim_key, released)
+                        if (len(_idle) > _idle_limit or _idle_fds) and mapping_key in _idle:  # (parked)
+                            _trim_idle()  # after: an eviction interrupted must not let the kept claim go
             finally:  # also if interrupted: a claim left held would pin the memory until exit
                 try:
                     if claim_key is not None and not kept:

@@ -546,7 +546,12 @@ def _forget_after_fork() -> None:
     _create_lock = threading.Lock()  # another thread may have held one at the fork
     _attach_lock = threading.Lock()
     for seg in list(_every):
-        seg.words = None  # the parent's registration with CUDA: no CUDA call here
+        words, seg.words = seg.words, None  # the parent's registration with CUDA: no CUDA call here
+        if words:  # its view holds a descriptor of its own (mmap's copy), which would keep the file open
+            try:
+                words.mm.close()
+            except (BufferError, ValueError):  # (a view of it still exported: it goes with its last user)
+                pass
         try:
             seg.close()  # our copies (descriptors, and views, which keep the open file too), never used again
         except Exception:  # noqa: BLE001 - the others must still be closed

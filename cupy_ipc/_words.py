@@ -254,7 +254,9 @@ def record_event(ew: EventWords, stream_ptr: int, record: Any) -> None:
     words, issued, done = ew.words, issued_word(ew.pair), done_word(ew.pair)
     stream = stream_ptr if stream_ptr != 2 else (2, _threads.mark())  # (2: each thread's own default stream)
     with ew.lock:
-        value = ((words.read(issued) & ~1) + 2) & 0xFFFFFFFF
+        # Counted from the last write here, not from "issued", which a consumer's record also writes (its low
+        # bit: read, then written back, so that it may undo a value set meanwhile); 0 stands for "never recorded".
+        value = (ew.written + 2) & 0xFFFFFFFF or 2
         # In order: the last write was queued on this stream, or has landed (and so has every earlier one).
         ordered = stream == ew.chain or reached(words.read(done), ew.written)
         if ordered and _write_fn()(stream_ptr, words.base + 4 * done, value, 0) == 0:

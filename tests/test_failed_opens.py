@@ -271,6 +271,24 @@ def test_a_failed_open_that_is_not_retried_counts_so_the_producer_lets_the_memor
     assert not _mapping._idle and not _mapping._claims
 
 
+@pytest.mark.parametrize("word", [False, True], ids=["event alone", "with a word"])
+def test_a_failed_open_keeps_the_producers_segment_only_where_a_stream_may_wait_on_its_words(sender, monkeypatch,
+                                                                                           word):
+    # Every open that failed once claimed kept its producer's segment (descriptors, a file, registered memory)
+    # for the rest of the process, also where no stream could be waiting on the segment's words.
+    from cupy_ipc import _words
+    from cupy_ipc._wire import FLAG_WORD
+
+    handle, producer, runtime, event_errors = sender
+    monkeypatch.setattr(_words, "_parked", {})
+    if word:
+        handle = IpcArrayHandle._make(handle._f._replace(flags=handle._f.flags | FLAG_WORD))
+    event_errors.append(IpcError("opening the producer's ordering event failed: cudaErrorMapBufferObjectFailed"))
+    with pytest.raises(IpcError):
+        handle.open()
+    assert [seg.path for seg in _words._parked.values()] == ([producer.path] if word else [])
+
+
 def test_a_message_whose_open_fails_before_its_claim_counts_too(sender, monkeypatch):
     # The producer's GPU not visible here (another CUDA_VISIBLE_DEVICES) fails the open before it claims the
     # export: uncounted, the message left the producer's memory pinned for the life of the producer.

@@ -112,3 +112,24 @@ def test_a_gone_producers_word_reached_before_it_exited_marks_nothing(words):
     producer_words, gate, lease = _watched(alive=False, word=8, value=7)
     _gates._check_word(gate, 1.0)
     assert not _gates._pending and lease.incomplete is None
+
+
+def test_two_opens_waiting_for_the_same_word_of_a_gone_producer_are_both_marked(words, monkeypatch):
+    # Two opens of one export in this process wait for the same word: the second wait replaced the first's watch,
+    # so only the second open was marked, and the first's close() did not say that its values may be incomplete.
+    import mmap
+
+    from cupy_ipc import _words
+
+    monkeypatch.setattr(_gates, "_started", lambda: True)
+    monkeypatch.setattr(_words, "wait", lambda *args: True)  # the stream's wait, queued
+    producer_words = _words.Words(mmap.mmap(-1, _words.BYTES), 0, 0)
+    producer_words.set(3, 6)
+    segment, first, second = _Producer(alive=False), _Lease(), _Lease()
+    assert _gates.wait_word(producer_words, 3, 7, 0, 0, segment, 4242, first)
+    assert _gates.wait_word(producer_words, 3, 7, 0, 0, segment, 4242, second)
+    (gate,) = _gates._pending.values()
+    gate.check_at = 0.0
+    with pytest.warns(RuntimeWarning, match=r"pid 4242\) exited"):
+        _gates._check_word(gate, 1.0)
+    assert first.incomplete is not None and second.incomplete == first.incomplete

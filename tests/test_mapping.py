@@ -199,6 +199,46 @@ def test_a_release_interrupted_in_its_unmap_still_lets_the_claim_go(producer, mo
     assert not _mapping._claims and not held()
 
 
+def test_a_release_that_parks_its_mapping_and_is_interrupted_evicting_another_keeps_one_claim_each(producer,
+                                                                                                    monkeypatch):
+    # Parking a re-sent pool buffer's mapping with its claim evicted an older one; Ctrl-C in that eviction's
+    # unmap let the parked mapping's claim go as well (it was released again later: by then, perhaps, the claim
+    # of a later export in the same slot, whose memory the producer then freed in use) and left the evicted
+    # mapping's claim held until exit.
+    import os
+
+    from cupy_ipc import _segment
+    from cupy_ipc._segment import ONE_CONSUMER, PINNED
+
+    token, own, view, held_new = producer
+    monkeypatch.setattr(_mapping, "_idle", collections.OrderedDict())
+    monkeypatch.setattr(_mapping, "_released", collections.OrderedDict())
+    monkeypatch.setattr(_mapping, "_idle_limit", 1)
+    monkeypatch.setattr(_mapping, "_idle_grows", False)
+    monkeypatch.setattr(_mapping._cuda, "using_device", lambda device, bind=False: contextlib.nullcontext())
+
+    def interrupted(ptr):  # Ctrl-C as the driver's unmap of the evicted pool import returns
+        raise KeyboardInterrupt
+
+    own.write(4, 7, PINNED | ONE_CONSUMER)  # export 7: the older buffer, idle here with its claim
+    with _mapping._lock:
+        old = _mapping._Mapping(0x2000, 0, imported=True, close=interrupted, hold_claim=True)
+        old.held = _mapping._claim(view, token, os.getpid(), 7, 4)
+        _mapping._park(("old",), old)
+        claim = _mapping._claim(view, token, os.getpid(), 9, 3)
+        m = _mapping._Mapping(0x1000, 0, imported=True, close=lambda ptr: None, hold_claim=True)
+        m.users = 1
+        _mapping._active[("k",)] = m
+        _mapping._released[("k",)] = None  # released here before: a buffer sent again, kept idle
+    with pytest.raises(KeyboardInterrupt):
+        _mapping._finish(("k",), claim)
+    assert list(_mapping._idle) == [("k",)] and _mapping._idle[("k",)].held == claim
+    assert held_new() and list(_mapping._claims) == [claim]  # the parked mapping's, held once
+    assert not own.held_by_other(_segment.in_use(4))  # the evicted mapping's, let go
+    _mapping.collect_idle()
+    assert not held_new() and not _mapping._claims
+
+
 def test_a_release_interrupted_waiting_for_the_lock_is_finished_on_the_librarys_thread(producer, monkeypatch,
                                                                                       ctrl_c_while_locked):
     # Another thread holds the lock as long as its import waits for a close (until the GPU is idle, measured):

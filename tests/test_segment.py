@@ -467,6 +467,26 @@ def test_a_view_that_cannot_be_remapped_leaves_the_segment_usable(token, monkeyp
         seg.close(unlink=True)
 
 
+def test_a_fork_leaves_the_child_no_view_of_a_segments_words(token):
+    # A producer's words, mapped apart from its records (``_words``), kept a descriptor of their own (mmap's
+    # copy) in a forked child: the parent's liveness lock outlived its death as long as the child lived, and
+    # consumers' waits for its words were never released.
+    import mmap
+
+    from cupy_ipc import _words
+
+    producer = Segment.create(token)
+    try:
+        # As _words._register maps them; held elsewhere too, as an exported event's pair of words holds them.
+        words = producer.words = _words.Words(mmap.mmap(producer.fd, _words.BYTES), 0, 0)
+        said = _forked_copies(segment_path(token))
+    finally:
+        words.mm.close()
+        producer.words = None
+        producer.close(unlink=True)
+    assert said == "0,0"
+
+
 @pytest.mark.parametrize("consumers_flag", [ONE_CONSUMER, 0], ids=["one consumer", "several consumers"])
 def test_a_claim_whose_view_cannot_be_remapped_holds_and_counts_nothing(token, monkeypatch, consumers_flag):
     # An export in a slot the producer grew its file for after the consumer mapped it: the consumer's view is
@@ -801,14 +821,25 @@ def test_a_fork_while_the_segment_is_created_leaves_the_child_none_of_it(token, 
 
 
 def _forked_copies(path: str) -> str:
-    """Fork; the child says how many descriptors and views of ``path`` it has (``"descriptors,views"``)."""
+    """Fork; the child says how many descriptors and views of the file at ``path`` it has (``"descriptors,views"``).
+
+    Told by the file's inode: a producer's own descriptors name it by the name it was made under (see
+    :meth:`Segment.create`), which it no longer has."""
+    file = os.stat(path)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        held = [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == path]
+        held = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                st = os.fstat(int(fd))
+            except OSError:  # (the listing's own descriptor)
+                continue
+            held += (st.st_dev, st.st_ino) == (file.st_dev, file.st_ino)
         with open("/proc/self/maps") as maps:
-            views = sum(line.rstrip().endswith(path) for line in maps)
-        os.write(w, f"{len(held)},{views}".encode())
+            views = sum(len(f) > 5 and f[4] == str(file.st_ino) and f[5].startswith("/dev/shm/")
+                        for f in map(str.split, maps))
+        os.write(w, f"{held},{views}".encode())
         os._exit(0)
     os.close(w)
     os.waitpid(pid, 0)

@@ -154,6 +154,34 @@ def test_a_consumers_record_says_the_latest_record_has_no_word(pair):
     assert _words.event_value(ew.words, ew.pair) == 4
 
 
+def test_a_consumers_mark_written_back_over_a_newer_record_does_not_make_the_next_one_reuse_its_value(pair):
+    # The consumer reads "issued", the producer records, the consumer writes its mark back over that record's
+    # value: the producer's next record took the same value again, which its write before had set already, so
+    # a wait for it went on before its work had run.
+    ew, stream, issued, done = pair
+    _words.record_event(ew, 0x10, lambda: None)
+    seen = ew.words.read(issued)  # the consumer's read
+    _words.record_event(ew, 0x10, lambda: None)
+    ew.words.set(issued, seen | 1)  # ... and its write
+    stream.land()
+    _words.record_event(ew, 0x10, lambda: None)
+    assert stream.queued == [(0x10, done, 6)] and _words.event_value(ew.words, ew.pair) == 6
+
+
+def test_a_records_value_counts_past_the_top_without_reaching_zero(pair):
+    # 0 says "never recorded": a record counted to it was taken as done at once (after 2**31 records of a pair).
+    ew, stream, issued, done = pair
+    _words.record_event(ew, 0x10, lambda: None)
+    stream.land()
+    ew.written = 0xFFFFFFFE
+    ew.words.set(issued, 0xFFFFFFFE)
+    ew.words.set(done, 0xFFFFFFFE)
+    _words.record_event(ew, 0x10, lambda: None)
+    assert stream.queued == [(0x10, done, 2)] and _words.event_value(ew.words, ew.pair) == 2
+    stream.land()
+    assert _words.event_value(ew.words, ew.pair) == 0
+
+
 def test_a_pair_given_back_serves_the_next_event_with_its_counts_going_on(pair):
     ew, stream, issued, done = pair
     _words.record_event(ew, 0x10, lambda: None)
