@@ -12,10 +12,15 @@ __all__ = ["checked_count", "checked_lease", "checked_wait", "shown"]
 
 def shown(value: Any) -> Any:
     """``value`` for a message: an integer too long to print whole by its sign and size (past 4300 digits, str()
-    raises ValueError instead of giving the text, and thousands of digits say nothing)."""
+    raises ValueError instead of giving the text, and thousands of digits say nothing); another value too long
+    by its type."""
     if isinstance(value, int) and value.bit_length() > 128:
         return f"{'-' if value < 0 else ''}(an integer of {value.bit_length()} bits)"
-    return value
+    try:
+        long = len(str(value)) > 100
+    except ValueError:  # (a Fraction of such integers, say)
+        long = True
+    return f"(a {type(value).__name__} too long to print)" if long else value
 
 
 def checked_count(value: Any, what: str, minimum: int, maximum: int | None = None) -> int:
@@ -82,6 +87,9 @@ def _seconds(value: Any, not_a_number: str, out_of_range: str, positive: bool) -
     if not (value > 0 if positive else value >= 0):  # NaN too
         raise ValueError(f"{out_of_range}, not {shown(value)}")
     try:
-        return float(value)
+        seconds = float(value)
     except OverflowError:  # an integer past the largest float: longer than any wait, as inf is
         return math.inf
+    if positive and not seconds > 0:  # a positive value too small for a float
+        raise ValueError(f"{out_of_range}, not {shown(value)} (0.0 as a float)")
+    return seconds

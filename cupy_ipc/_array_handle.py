@@ -732,6 +732,8 @@ class IpcArrayHandle:
         resource: int = 0,
         more: Iterable[tuple[int, int]] = (),
     ) -> None:
+        if getattr(self, "_f", None) is not None:  # made already: __init__ called again
+            raise AttributeError("IpcArrayHandle is immutable")
         # Each value taken as it is, never converted (a float truncated, text parsed): a wrong type is refused.
         ordinal, uuid = _parts(device, "device", "(ordinal, uuid)")
         pid, token, boot_id, host = _parts(producer, "producer", "(pid, token, boot id, host)")

@@ -13,6 +13,7 @@ import itertools
 import math
 import operator
 import re
+import reprlib
 import struct
 from typing import NamedTuple, TypeVar
 
@@ -172,7 +173,8 @@ class EventFields(NamedTuple):
 # refused before NumPy sees it: silencing the warning would take changing the warnings filters, which are
 # process-wide, so another thread's warnings would be lost or turned into errors meanwhile. (A spec that is
 # no text, a structured one say, is the caller's own, and so is NumPy's warning about it.)
-_WARNING_TEXT = re.compile(r"(?<![A-Za-z_])a(?![A-Za-z_])|\([0-9 ]*[0-9][0-9 ]*\)")
+_WARNING_TEXT = re.compile(r"(?<![A-Za-z_])a(?![A-Za-z_])|\( *[0-9][0-9 ]*\)")  # (one way to match: linear time)
+_LONGEST_TEXT = 32  # longer dtype text names no shareable dtype: refused before it is parsed
 
 
 def dtype_of(value: object) -> np.dtype:
@@ -186,8 +188,8 @@ def dtype_of(value: object) -> np.dtype:
     if isinstance(key, str) and key in _DTYPES:
         return _DTYPES[key]
     text = value.decode("latin-1") if isinstance(value, bytes) else value
-    if isinstance(text, str) and _WARNING_TEXT.search(text):
-        raise HandleError(f"not a dtype that can be shared: {value!r}")
+    if isinstance(text, str) and (len(text) > _LONGEST_TEXT or _WARNING_TEXT.search(text)):
+        raise HandleError(f"not a dtype that can be shared: {reprlib.repr(value)}")
     try:
         dt = np.dtype(value)  # type: ignore[call-overload]
     except Exception as e:  # NumPy parses text as dtype syntax: "," raises SyntaxError
@@ -347,6 +349,8 @@ def validate_layout(f: ArrayFields) -> tuple[int, int, int] | None:
 def field_int(value: object, what: str) -> int:
     """``value`` as an integer field of a handle built from values: an integer (not a float or text, which
     would be truncated or parsed), or :class:`HandleError`."""
+    if isinstance(value, bool):  # (an int to Python, but never meant as one here)
+        raise HandleError(f"{what} must be an integer, not bool")
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:

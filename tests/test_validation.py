@@ -8,6 +8,7 @@ import re
 import string
 import struct
 import warnings
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -328,6 +329,36 @@ def test_dtype_text_numpy_would_warn_about_is_refused_without_a_warning(text):
         warnings.simplefilter("always")
         rejected("not a dtype", make, dtype=text)
     assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.parametrize("text", ["(" + "1 " * 100_000, b"(" + b"1 " * 100_000, "f" * 10_000],
+                         ids=["text", "bytes", "no parenthesis"])
+def test_long_dtype_text_is_refused_at_once(text):
+    # An unclosed parenthesis then digits and spaces took time in the square of the text's length to look at
+    # (1 s for 30,000 characters, 21 s for 120,000), and the refusal quoted all of it.
+    import time
+
+    start = time.monotonic()
+    error = rejected("not a dtype that can be shared", make, dtype=text)
+    assert time.monotonic() - start < 1.0 and len(str(error)) < 200
+
+
+@pytest.mark.parametrize("change", [dict(shape=(True, 2)), dict(offset=False), dict(device=(True, UUID)),
+                                    dict(allocation_size=True)], ids=["shape", "offset", "device", "size"])
+def test_a_bool_is_not_taken_for_an_integer(change):
+    # Values are taken as they are, never converted: True became 1 where an integer was due.
+    rejected("must be an integer, not bool", lambda: make(**change))
+
+
+def test_a_handle_cannot_be_made_again_in_place():
+    # Calling __init__ on a made handle changed its fields, bytes and hash (a set lost it), and dropped the
+    # descriptors that came with it without closing them.
+    h = make()
+    kept = {h}
+    with pytest.raises(AttributeError, match="immutable"):
+        h.__init__(memory_handle=MEMORY_HANDLE, offset=0, allocation_size=64, shape=(16,), strides=(4,),
+                   dtype="float32", device=(0, UUID), producer=PRODUCER)
+    assert h.shape == (4, 2) and h in kept and h.to_bytes() == VALID
 
 
 # --- shape, alignment, extent -------------------------------------------------------------------------------
@@ -1114,21 +1145,37 @@ def test_the_idle_mapping_limit_is_a_count(limit, error):
     assert cupy_ipc.set_idle_mapping_limit(old, grow=True) == 4
 
 
-@pytest.mark.parametrize("name, args, kwargs, match", [
-    ("get_ipc_handle", (object(),), dict(consumers=10**5000), "consumers must be at most"),
-    ("get_ipc_handle", (object(),), dict(consumers=-(10**5000)), "consumers must be at least"),
-    ("get_ipc_handle", (object(),), dict(lease=-(10**5000)), "lease must be a positive number"),
-    ("set_idle_mapping_limit", (-(10**5000),), {}, "the idle mapping limit must be at least"),
-    ("checked_wait", (-(10**5000), "the exit wait"), {}, "the exit wait must be zero"),
-], ids=["consumers", "negative consumers", "lease", "idle mapping limit", "wait"])
-def test_an_argument_too_long_to_print_is_refused_by_name(name, args, kwargs, match):
+_LONG = "16610 bits"
+_LONG_FRACTION = "a Fraction too long to print"
+
+
+@pytest.mark.parametrize("name, args, kwargs, match, said", [
+    ("get_ipc_handle", (object(),), dict(consumers=10**5000), "consumers must be at most", _LONG),
+    ("get_ipc_handle", (object(),), dict(consumers=-(10**5000)), "consumers must be at least", _LONG),
+    ("get_ipc_handle", (object(),), dict(lease=-(10**5000)), "lease must be a positive number", _LONG),
+    ("set_idle_mapping_limit", (-(10**5000),), {}, "the idle mapping limit must be at least", _LONG),
+    ("checked_wait", (-(10**5000), "the exit wait"), {}, "the exit wait must be zero", _LONG),
+    ("checked_wait", (Fraction(-1, 10**5000), "the exit wait"), {}, "the exit wait must be zero", _LONG_FRACTION),
+    ("get_ipc_handle", (object(),), dict(lease=Fraction(-1, 10**5000)), "lease must be a positive number",
+     _LONG_FRACTION),
+], ids=["consumers", "negative consumers", "lease", "idle mapping limit", "wait", "wait fraction",
+        "lease fraction"])
+def test_an_argument_too_long_to_print_is_refused_by_name(name, args, kwargs, match, said):
     # Past 4300 digits str() of an integer raises ValueError: once the refusal's message did, naming no argument.
     import cupy_ipc
     from cupy_ipc import _args
 
     with pytest.raises(ValueError, match=match) as info:
         getattr(_args if name.startswith("checked") else cupy_ipc, name)(*args, **kwargs)
-    assert "16610 bits" in str(info.value) and len(str(info.value)) < 200
+    assert said in str(info.value) and len(str(info.value)) < 200
+
+
+def test_a_positive_lease_too_short_for_a_float_is_refused():
+    # It passed the check, then became a lease of 0.0 seconds.
+    from cupy_ipc import _args
+
+    with pytest.raises(ValueError, match=r"lease must be a positive number.*\(0\.0 as a float\)"):
+        _args.checked_lease(Fraction(1, 10**400))
 
 
 # --- bounded work for any input ---------------------------------------------------------------------------
