@@ -11,7 +11,11 @@ from ._doctor import run_doctor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupy_ipc", description=__doc__)
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="python -m cupy_ipc",
+                                     description="Share CuPy arrays and CUDA events between processes of one host.")
+    parser.add_argument("--version", action="version", version=f"cupy_ipc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="share an array and events with a consumer process, checked and timed")
     doctor = sub.add_parser("doctor", help="say what this host can do with CUDA IPC, and why (exit 1 if it cannot)")

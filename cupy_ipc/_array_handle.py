@@ -300,7 +300,7 @@ def _device_id(ordinal: int) -> DeviceId:
 
 
 def _as_cupy(array: Any) -> Any:
-    import cupy
+    cupy = _cuda.import_cupy()
 
     if isinstance(array, cupy.ndarray):
         return array
@@ -727,7 +727,7 @@ class IpcArrayHandle:
         dtype: Any,
         device: tuple[int, bytes],
         producer: tuple[int, bytes, bytes, str],
-        kind: int = Kind.LEGACY,
+        kind: int | str = Kind.LEGACY,
         fd: int = -1,
         resource: int = 0,
         more: Iterable[tuple[int, int]] = (),
@@ -956,7 +956,7 @@ class IpcArrayHandle:
     def _open_once(self, stream: Any, device: int | None, copy: bool, claimed: list[bool] | None) -> Any:
         """:meth:`_open`. ``claimed``, given for an open that is not retried (``last_try``), is set once the
         open has claimed the export (by :func:`_mapping.acquire`), which counts any failure from there on."""
-        import cupy
+        cupy = _cuda.import_cupy()
 
         _fork.check()
         f = self._f

@@ -105,17 +105,34 @@ def rt() -> Any:
     A cached call rather than ``from cupy.cuda import runtime`` in every hot
     function: that statement runs a Python-level import helper each time.
     """
-    from cupy.cuda import runtime
+    return import_cupy().cuda.runtime
 
-    return runtime
+
+_NO_CUPY = "cupy_ipc needs CuPy, which is not installed here: install cupy_ipc with its cuda12 or cuda13 extra " \
+    "(pip install \"cupy_ipc[cuda12]\"), or the CuPy wheel of this machine's CUDA version"
+
+
+def import_cupy() -> Any:
+    """The ``cupy`` module; without it, :class:`ModuleNotFoundError` that says how to install it.
+
+    Example:
+        >>> import_cupy().__name__  # doctest: +SKIP
+        'cupy'
+    """
+    try:
+        import cupy
+    except ModuleNotFoundError as e:
+        if e.name != "cupy":  # (CuPy there, but something it needs missing: its own message says what)
+            raise
+        raise ModuleNotFoundError(_NO_CUPY, name="cupy") from None
+    return cupy
 
 
 @functools.lru_cache(maxsize=None)
 def cupy_names() -> tuple[Any, Any, Any, Any]:
     """``cupy.cuda.get_current_stream``, ``UnownedMemory``, ``MemoryPointer`` and ``cupy.ndarray``, which every
     message's open and export use, looked up once (see :func:`rt`)."""
-    import cupy
-
+    cupy = import_cupy()
     return cupy.cuda.get_current_stream, cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
 
 
@@ -177,6 +194,8 @@ def unavailable_reason() -> str | None:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except CUDARuntimeError as e:
+        if not _has_driver_library():  # (the runtime then says the driver is too old, which misleads)
+            return "no usable CUDA GPU or driver: the NVIDIA driver is not installed (libcuda.so.1 cannot be loaded)"
         return f"no usable CUDA GPU or driver: {e}"
     if count == 0:
         return "no CUDA GPU is visible to this process"
@@ -185,6 +204,14 @@ def unavailable_reason() -> str | None:
     except IpcError as e:
         return f"the CUDA driver cannot be used: {e}"
     return None
+
+
+def _has_driver_library() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)

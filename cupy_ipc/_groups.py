@@ -277,7 +277,7 @@ def all_gather(array: Any, group: Any, *, device: int | None = None, copy: bool 
 
     Example:
         >>> with cupy_ipc.all_gather(buf, MPI.COMM_WORLD) as bufs:   # doctest: +SKIP
-        ...     total = sum(b.sum() for b in bufs)
+        ...     total = sum(b.sum() for b in bufs if b is not None)  # (None: a rank of another host)
     """
     engine = _Engine(group)
     rank, size = engine.rank, engine.size

@@ -22,8 +22,8 @@ class Producer(NamedTuple):
     :func:`boot_id` for where the kernel's cannot be read).
 
     Example:
-        >>> me = this_process()
-        >>> me.pid == os.getpid()
+        >>> h = cupy_ipc.get_ipc_handle(cupy.zeros(4))   # doctest: +SKIP
+        >>> h.producer.pid == os.getpid()                 # doctest: +SKIP
         True
     """
 

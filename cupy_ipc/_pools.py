@@ -320,7 +320,7 @@ class _DriverPools:
     __slots__ = ("pools", "pid", "finalizing", "cupy", "runtime", "streams")
 
     def __init__(self, runtime: Any) -> None:
-        import cupy
+        cupy = _cuda.import_cupy()
 
         self.pools: dict[int, Any] = {}
         self.streams: dict[int, Any] = {}  # each live block's allocation stream (a weak reference), where it is freed
@@ -405,8 +405,7 @@ class ShareableMemoryPool:
     """
 
     def __init__(self, device: int | None = None) -> None:
-        import cupy
-
+        cupy = _cuda.import_cupy()
         _fork.check()  # a forked child's CUDA calls would crash or hang
         _reaper.start()  # for _DriverPools.__del__
         driver = _driver()

@@ -39,7 +39,7 @@ raises ``OSError``: no process to be had, say). An array that is sent but
 never received stays pinned in the sender, unless
 :func:`set_message_lease` gave it a lease. A process started by
 multiprocessing waits at its exit until the arrays it sent have been
-opened, for at most :func:`set_exit_wait` seconds (see ``cupy_ipc._sent``).
+opened, for at most :func:`set_exit_wait` seconds (10 by default).
 
 An array or event that cannot be opened where it is received (its lease
 ran out, say) raises there, in ``get()`` or ``recv()``; in a ``Pool`` or
@@ -91,7 +91,7 @@ from multiprocessing.queues import Queue as _PlainQueue
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-from . import _fork, _keepalive, _sent
+from . import _cuda, _fork, _keepalive, _sent
 from ._args import checked_lease
 from ._array_handle import IpcArrayHandle, get_ipc_handle
 from ._errors import ClosedError, IpcError
@@ -638,8 +638,7 @@ def init_reductions() -> None:
     global _registered
     if _registered:
         return
-    import cupy
-
+    cupy = _cuda.import_cupy()
     ForkingPickler.register(cupy.ndarray, _reduce_ndarray)
     ForkingPickler.register(IpcEvent, _reduce_ipc_event)
     ForkingPickler.register(cupy.cuda.Event, _reduce_cupy_event)

@@ -102,3 +102,23 @@ def test_a_cupy_that_cannot_be_imported_is_reported_in_one_line_not_a_traceback(
         assert "CuPy cannot be imported" in report["gpu_error"] and not report["ok"]
     else:
         assert lines[0].startswith(f"cupy_ipc {command[0]}: no GPU to ") and "CuPy cannot be imported" in lines[0]
+
+
+def test_without_the_driver_the_reason_names_the_missing_driver_not_an_old_one(monkeypatch):
+    # CUDA's runtime says "CUDA driver version is insufficient" when there is no driver at all.
+    from cupy_ipc import _cuda
+
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pytest.skip("no CuPy")
+    if _cuda._has_driver_library():
+        monkeypatch.setattr(_cuda, "_has_driver_library", lambda: False)
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+        def insufficient():
+            raise CUDARuntimeError(35)  # cudaErrorInsufficientDriver, as without libcuda
+
+        monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", insufficient)
+    assert unavailable_reason() == ("no usable CUDA GPU or driver: the NVIDIA driver is not installed "
+                                    "(libcuda.so.1 cannot be loaded)")

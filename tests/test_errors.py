@@ -144,3 +144,23 @@ print("went on")
 """
     r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "went on\n", (r.stdout, r.stderr)
+
+
+def test_without_cupy_every_entry_point_says_how_to_install_it():
+    # Each raised a bare "No module named 'cupy'" from inside the library.
+    import subprocess
+
+    code = "\n".join([
+        "import sys",
+        "sys.modules['cupy'] = None  # as if not installed",
+        "import cupy_ipc",
+        "for call in (lambda: cupy_ipc.get_ipc_handle(object()), cupy_ipc.IpcEvent, cupy_ipc.ShareableMemoryPool,",
+        "             lambda: __import__('cupy_ipc.multiprocessing')):",
+        "    try:",
+        "        call()",
+        "    except ModuleNotFoundError as e:",
+        "        print(e.name, 'cuda12 or cuda13 extra' in str(e))",
+    ])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:4] == ["cupy True"] * 4
