@@ -18,18 +18,27 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roundtrip import parse_size  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--bytes", type=int, default=1 << 20)
+    parser.add_argument("--bytes", type=parse_size, default=1 << 20, help="per rank, e.g. 4096, 64KiB, 1MiB")
     args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        parser.error("run it under torchrun, one rank per GPU (see the usage line at the top of this file)")
+    try:
+        import torch
+    except ImportError:
+        parser.error("it compares with PyTorch, which is not installed here")
 
     import cupy
-    import torch
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
 
