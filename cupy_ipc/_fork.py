@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from ._errors import IpcError
 
@@ -43,7 +44,17 @@ def cuda_initialized() -> bool:
         err, _ = driver.cuCtxGetCurrent()
     except Exception:  # no driver library: nothing was initialized
         return False
-    return err != driver.CUresult.CUDA_ERROR_NOT_INITIALIZED
+    return err not in _not_initialized(driver)
+
+
+def _not_initialized(driver: Any) -> tuple[Any, ...]:
+    """The driver's answers that say CUDA was not initialized: not yet, or its initialization failed (a stub
+    library, no GPU, a driver that does not match its kernel module or this GPU), after which a child's CUDA
+    calls fail as the parent's do."""
+    names = ("CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_STUB_LIBRARY", "CUDA_ERROR_NO_DEVICE",
+             "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", "CUDA_ERROR_SYSTEM_NOT_READY",
+             "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE")
+    return tuple(getattr(driver.CUresult, name) for name in names if hasattr(driver.CUresult, name))
 
 
 def _before_fork() -> None:

@@ -26,7 +26,8 @@ from ._errors import warn_quietly
 
 __all__ = ["note", "set_exit_wait"]
 
-_wait = 10.0
+DEFAULT_WAIT = 10.0
+_wait = DEFAULT_WAIT
 _sent: set[int] = set()  # export ids of arrays sent; pruned of opened ones as it grows
 _prune_at = 1024
 _child: bool | None = None  # whether this process waits: one started by multiprocessing
@@ -35,8 +36,9 @@ _any = False  # whether it has sent an array
 
 def set_exit_wait(seconds: float) -> float:
     """Wait at most ``seconds`` at this process's exit for the receivers of the arrays it sent to open them
-    (default 10; ``0``: no wait; ``math.inf``: until they are opened or refused); returns the old setting.
-    Only a process started by :mod:`multiprocessing` waits (see the module's notes).
+    (default 10; ``0``: no wait, and no warning; ``math.inf``: until they are opened or refused); returns the
+    old setting. Only a process started by :mod:`multiprocessing` waits (see the module's notes); the processes
+    started from this one (by any start method) take the setting this one has when it starts them.
 
     Example:
         >>> set_exit_wait(2.5)
@@ -75,6 +77,8 @@ def _await_receivers() -> None:
             if not left or (parent is not None and not parent.is_alive()):
                 break
             if time.monotonic() >= deadline:
+                if not _wait:  # no wait asked for: nor a warning
+                    break
                 warn_quietly(f"process {multiprocessing.current_process().name} exits with {len(left)} array(s) it "
                              f"sent that no receiver opened within {_wait:g} s: opening them will raise "
                              "ProducerExitedError (receive messages before joining their sender, or raise "

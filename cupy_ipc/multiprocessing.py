@@ -77,6 +77,8 @@ import ctypes
 import errno
 import functools
 import importlib
+import importlib.abc
+import importlib.util
 import multiprocessing as _mp
 import multiprocessing.connection as _connection
 import multiprocessing.process as _process
@@ -105,7 +107,8 @@ __all__ = [*_mp.__all__, "init_reductions", "set_exit_wait", "set_message_lease"
 def __getattr__(name: str) -> Any:
     # Submodules and anything else of the standard module (mp.pool, mp.reduction, ...): a submodule not
     # imported yet is imported, as `import multiprocessing.pool` would. Not the module machinery's names: the
-    # standard package's __path__ would make `import cupy_ipc.multiprocessing.pool` load copies of its files.
+    # standard package's __path__ would make `import cupy_ipc.multiprocessing.pool` load copies of its files
+    # (which _Submodules answers with the standard ones instead).
     if name.startswith("__"):
         raise AttributeError(f"module 'cupy_ipc.multiprocessing' has no attribute {name!r}")
     try:
@@ -113,7 +116,9 @@ def __getattr__(name: str) -> Any:
     except AttributeError:
         try:
             return importlib.import_module(f"multiprocessing.{name}")
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as e:
+            if e.name != f"multiprocessing.{name}":  # the submodule is there, but something it imports is not
+                raise
             raise AttributeError(f"module 'cupy_ipc.multiprocessing' has no attribute {name!r}") from None
 
 
@@ -121,6 +126,39 @@ def __dir__() -> list[str]:
     # What __getattr__ finds too (SUBDEBUG, SUBWARNING, the submodules imported so far), as dir() of the standard
     # module lists them: for completion and introspection. Not its __path__ (see __getattr__).
     return sorted(set(globals()) | {name for name in dir(_mp) if not name.startswith("__")})
+
+
+class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import cupy_ipc.multiprocessing.pool`` (or ``from cupy_ipc.multiprocessing.dummy import connection``):
+    the standard submodule itself, as ``mp.pool`` is, never a second copy of its file under this name (another
+    ``Connection`` class, say, whose writes the library would not see)."""
+
+    PREFIX = __name__ + "."
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if not fullname.startswith(self.PREFIX):
+            return None
+        standard = "multiprocessing." + fullname[len(self.PREFIX):]
+        try:
+            if importlib.util.find_spec(standard) is None:
+                return None
+        except ModuleNotFoundError:  # (its parent is not a package)
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=False)
+
+    def create_module(self, spec: Any) -> Any:
+        module = importlib.import_module("multiprocessing." + spec.name[len(self.PREFIX):])
+        spec.loader_state = module.__spec__  # which the import machinery replaces with ours next
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = module.__spec__.loader_state  # its own back: it stays the standard module in every way
+
+
+__path__: list[str] = []  # a package to the import system, whose submodules _Submodules finds (no file of its own)
+if not any(type(finder).__qualname__ == "_Submodules" and type(finder).__module__ == __name__
+           for finder in sys.meta_path):  # (once, also if the module is reloaded)
+    sys.meta_path.insert(0, _Submodules())  # first: a nested one (dummy.connection) would be found in the files
 
 
 _warned_fork = False
@@ -376,6 +414,19 @@ class _Reductions:
         return importlib.import_module, (__name__,)
 
 
+class _ExitWait:
+    """Unpickled in a spawned (or forkserver) process: the exit wait its parent set (see :func:`set_exit_wait`),
+    which a process started so would not have otherwise."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> tuple[Any, tuple[float]]:
+        return set_exit_wait, (self.seconds,)
+
+
 def _start(process: Any) -> None:
     if not _warned_fork:
         _warn_if_forked_after_cuda(process)
@@ -384,6 +435,8 @@ def _start(process: Any) -> None:
         # A pool's worker would import this module only while it unpickles its first task that holds an array:
         # too late for that task (see _loads). It comes with the process instead.
         process._cupy_ipc_reductions = _Reductions()
+    if _sent._wait != _sent.DEFAULT_WAIT:
+        process._cupy_ipc_exit_wait = _ExitWait(_sent._wait)  # (a forked child has it already)
     outer = _in_message.exports
     _in_message.exports = exports = []  # the arguments are one message, whatever dumps pickle them
     try:

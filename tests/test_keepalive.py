@@ -361,6 +361,42 @@ def test_a_child_of_every_start_method_awaits_the_receivers_of_what_it_sent(tmp_
     assert "exits with 1 array(s) it sent that no receiver opened within 0.5 s" in r.stderr, r.stderr
 
 
+_PARENT_SETS_THE_WAIT = """
+import multiprocessing, sys, time
+import cupy_ipc.multiprocessing as mp
+from cupy_ipc import _keepalive, _sent
+
+def send_and_end():
+    export_id, *_ = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+    _sent.note(export_id)  # as a message carrying the array does; nobody receives it
+
+if __name__ == "__main__":
+    method, wait = sys.argv[1], float(sys.argv[2])
+    mp.set_exit_wait(wait)  # in the parent only
+    p = mp.get_context(method).Process(target=send_and_end)
+    start = time.monotonic()
+    p.start()
+    p.join(60)
+    print(p.exitcode, time.monotonic() - start)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+@pytest.mark.parametrize("wait", [0.5, 0.0])
+def test_a_child_takes_the_exit_wait_its_parent_set_and_none_says_nothing(tmp_path, method, wait):
+    # A spawned or forkserver child imports the library afresh: it waited the default 10 s whatever its parent
+    # had set. And a wait of 0 ("no wait") still warned at every child's exit.
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT_SETS_THE_WAIT)
+    r = subprocess.run([sys.executable, str(script), method, str(wait)], capture_output=True, text=True,
+                       timeout=120)
+    exitcode, seconds = r.stdout.split()
+    assert r.returncode == 0 and exitcode == "0", r.stderr
+    assert float(seconds) < 8, r.stderr  # not the default's 10 s
+    assert ("exits with 1 array(s) it sent that no receiver opened" in r.stderr) == bool(wait), r.stderr
+    assert not wait or "within 0.5 s" in r.stderr, r.stderr
+
+
 def test_a_lease_thread_that_cannot_start_leaves_no_pin_and_is_started_by_a_later_lease():
     # Thread creation can fail (a container's pids limit): "can't start new thread". The export that wanted the
     # keeper must then fail leaving nothing pinned, and a later lease must still get a keeper that revokes it.

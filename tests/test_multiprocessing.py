@@ -310,7 +310,45 @@ def test_a_submodule_imported_by_its_dotted_name_is_never_a_second_copy_of_the_s
             print("standard" if Connection is multiprocessing.connection.Connection else "copy")
     """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.split() in (["refused"], ["standard"]), done.stdout + done.stderr
+    assert done.stdout.split() == ["standard"], done.stdout + done.stderr
+
+
+def test_every_way_of_importing_a_submodule_through_the_drop_in_gives_the_standard_one_unchanged():
+    # `import cupy_ipc.multiprocessing.pool` and the like raised "is not a package".
+    code = """if True:
+        import sys
+        import cupy_ipc.multiprocessing as mp
+        import cupy_ipc.multiprocessing.pool
+        from cupy_ipc.multiprocessing.pool import ThreadPool
+        from cupy_ipc.multiprocessing.dummy import connection
+        import cupy_ipc.multiprocessing.shared_memory as shm
+        import multiprocessing.dummy.connection, multiprocessing.pool, multiprocessing.shared_memory
+        print(ThreadPool is multiprocessing.pool.ThreadPool, connection is multiprocessing.dummy.connection,
+              shm is multiprocessing.shared_memory, mp.pool is multiprocessing.pool,
+              multiprocessing.pool.__spec__.name, multiprocessing.dummy.connection.__spec__.name)
+        try:
+            import cupy_ipc.multiprocessing.no_such_module
+        except ModuleNotFoundError as e:
+            print(e.name)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True"] * 4 + ["multiprocessing.pool", "multiprocessing.dummy.connection",
+                                                  "cupy_ipc.multiprocessing.no_such_module"], done.stderr
+
+
+def test_a_submodule_that_fails_to_import_says_why():
+    # Any ModuleNotFoundError became "has no attribute", also one of a module that the submodule imports.
+    code = """if True:
+        import sys
+        sys.modules["_posixshmem"] = None  # as on a platform without it
+        import cupy_ipc.multiprocessing as mp
+        try:
+            mp.shared_memory
+        except ModuleNotFoundError as e:
+            print(e.name)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["_posixshmem"], done.stdout + done.stderr
 
 
 def test_a_refusal_elsewhere_is_raised_to_the_sender(unshareable):
@@ -808,6 +846,20 @@ def test_a_failed_task_leaves_no_reference_cycle_through_its_message(monkeypatch
     finally:
         here.close()
         there.close()
+
+
+@pytest.mark.parametrize("answer, initialized", [
+    ("CUDA_SUCCESS", True), ("CUDA_ERROR_NOT_INITIALIZED", False), ("CUDA_ERROR_STUB_LIBRARY", False),
+    ("CUDA_ERROR_NO_DEVICE", False), ("CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", False)])
+def test_a_driver_that_could_not_initialize_is_not_taken_for_cuda_initialized(monkeypatch, answer, initialized):
+    # Every answer but "not initialized" counted as initialized: with the toolkit's stub library (a build
+    # container) every fork warned, and every forked child's use of the library raised IpcError.
+    import cuda.bindings.driver as driver
+
+    result = getattr(driver.CUresult, answer)  # (here: an error inside the call reads as "no driver")
+    monkeypatch.setattr(driver, "cuCtxGetCurrent", lambda: (result, None))
+    monkeypatch.setattr(cupy_ipc._fork, "_forked_after_cuda", False)
+    assert cupy_ipc._fork.cuda_initialized() is initialized
 
 
 def test_a_child_forked_after_cuda_asks_the_driver_nothing_before_its_own_fork(monkeypatch):
