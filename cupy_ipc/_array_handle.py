@@ -956,15 +956,14 @@ class IpcArrayHandle:
     def _open_once(self, stream: Any, device: int | None, copy: bool, claimed: list[bool] | None) -> Any:
         """:meth:`_open`. ``claimed``, given for an open that is not retried (``last_try``), is set once the
         open has claimed the export (by :func:`_mapping.acquire`), which counts any failure from there on."""
-        cupy = _cuda.import_cupy()
-
         _fork.check()
         f = self._f
         last_try = claimed is not None
         if stream is None and device is None and f.kind == Kind.LEGACY:
-            arr = _open_common(f, claimed)
+            arr = _open_common(f, claimed)  # (without CuPy, _cuda.rt() there says how to install it)
             if arr is not None:
                 return arr
+        cupy = _cuda.import_cupy()
         if f.producer.boot_id != this_process().boot_id:
             check_same_host(f.producer)
         home = _cuda.ordinal_of_uuid(f.device.uuid)
