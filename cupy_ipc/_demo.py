@@ -64,7 +64,10 @@ def _consumer(conn: Any) -> None:
                 del a
                 conn.send(("value", value))
     except Exception as e:  # send it back rather than die silently
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        except OSError:  # the demo has gone (its end closed the pipe): nobody to tell
+            pass
 
 
 def _timed(label: str, fn: Callable[[], T], rows: list[tuple[str, float]]) -> T:
@@ -182,6 +185,8 @@ def run_demo() -> int:
         proc.join(20)
         if proc.is_alive():
             proc.kill()
+            proc.join(5)  # reaped: run_demo() may be called by a process that lives on
+        conn.close()
     dev = cupy.cuda.runtime.getDeviceProperties(view.device.id)["name"].decode()
     print(f"cupy_ipc {cupy_ipc.__version__} demo on {dev}: shared a {view.shape} float32 view "
           f"({view.nbytes / 2**20:.0f} MiB) with process {proc.pid}, then {RESENT + FRESH} messages; "

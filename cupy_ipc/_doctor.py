@@ -121,7 +121,21 @@ def _ptrace() -> dict[str, Any]:
         "ptrace_scope": scope,
         "pidfd_getfd": state,
         "pidfd_getfd_error": errno.errorcode.get(code, str(code)) if code else None,
+        "seccomp": _seccomp(),
     }
+
+
+def _seccomp() -> bool | None:
+    """Whether a seccomp filter runs this process's system calls (a container's profile, say); ``None`` where
+    the kernel does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Seccomp:"):
+                    return line.split()[1] == "2"  # SECCOMP_MODE_FILTER
+    except (OSError, IndexError):
+        pass
+    return None
 
 
 def _versions() -> dict[str, Any]:
@@ -436,15 +450,25 @@ def _problems(report: dict[str, Any]) -> list[dict[str, str]]:
                     "remedy": "update the NVIDIA driver, or install CuPy built for the driver's CUDA major "
                     "(cupy_ipc's cuda12 or cuda13 extra)"})
     p = report["ptrace"]
+    takes = "a consumer that opens a handle of memory shared by descriptor (virtual memory, stream-ordered pools) " \
+        "received as bytes takes the descriptor out of the producer"
+    send = "send such handles with cupy_ipc.send_handle or cupy_ipc.multiprocessing, which pass the descriptors " \
+        "themselves"
     if p["pidfd_getfd"] == "refused":
+        seccomp = p.get("seccomp") and p["ptrace_scope"] in (None, 0)  # Yama does not explain the refusal
         out.append({"what": f"pidfd_getfd refused ({p['pidfd_getfd_error']})",
-                    "cause": "a consumer that opens a handle of memory shared by descriptor (virtual memory, "
-                    "stream-ordered pools) received as bytes takes the descriptor out of the producer, which "
-                    f"needs permission to ptrace it: {_SCOPES.get(p['ptrace_scope'], _SCOPES[None])}",
-                    "remedy": "send such handles with cupy_ipc.send_handle or cupy_ipc.multiprocessing, which pass "
-                    "the descriptors themselves"
+                    "cause": f"{takes}, which needs permission to ptrace it: "
+                    + ("this process runs under a seccomp filter, as containers do (Docker's default profile allows "
+                       "pidfd_getfd only with CAP_SYS_PTRACE)" if seccomp
+                       else _SCOPES.get(p["ptrace_scope"], _SCOPES[None])),
+                    "remedy": send
                     + ("; or call cupy_ipc.allow_ptrace_from_any() in the producer" if p["ptrace_scope"] == 1
-                       else "")})
+                       else "; or run the container with --cap-add SYS_PTRACE" if seccomp else "")})
+    elif p["pidfd_getfd"] == "unavailable":
+        out.append({"what": "pidfd_getfd unavailable",
+                    "cause": f"{takes} with pidfd_getfd, which this kernel lacks (Linux before 5.6) or a seccomp "
+                    "filter hides",
+                    "remedy": send})
     for i, row in enumerate(report["peer_access"]):
         for j, ok in enumerate(row):
             if ok is False:

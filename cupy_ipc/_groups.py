@@ -112,7 +112,8 @@ class _Engine:
         import torch
 
         # nccl moves CUDA tensors only; gloo, and groups with a CPU backend ("cpu:gloo,cuda:nccl"), CPU ones.
-        if self.dist.get_backend(self.group) == "nccl":
+        backend = str(self.dist.get_backend(self.group))
+        if backend == "nccl" or "cpu:" not in backend and "cuda:" in backend:  # ("cuda:nccl": CUDA only)
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -219,8 +220,14 @@ class Gathered(Sequence[Any]):
         arrays = self._arrays
         arrays[:] = [a if r == self.rank else None for r, a in enumerate(arrays)]
         handles = self._handles
-        while handles:  # one at a time: if a close raises, a later close() still closes the rest
-            handles.pop().close()
+        first = None
+        while handles:  # every one, also past one that raises (a peer that exited before its work had run)
+            try:
+                handles.pop().close()
+            except Exception as e:  # noqa: BLE001 - raised once the others are closed
+                first = first or e
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "Gathered":
         return self

@@ -57,9 +57,10 @@ def _read_boot_id() -> bytes:
         try:
             with open(path, "rb") as f:
                 machine_id = f.read().strip()
-            break
         except OSError:
             continue
+        if machine_id:  # (an image's /etc/machine-id may be there but empty: the next one, then)
+            break
     name = socket.gethostname().encode(errors="surrogateescape")
     return uuid.UUID(bytes=hashlib.sha1(b"cupy_ipc host\0" + machine_id + b"\0" + name).digest()[:16], version=5).bytes
 

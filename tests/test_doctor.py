@@ -32,6 +32,7 @@ def check_schema(report: dict) -> None:
     assert report["start_method"]["default"] in report["start_method"]["available"]
     assert report["ptrace"]["pidfd_getfd"] in ("allowed", "refused", "unavailable")
     assert report["ptrace"]["ptrace_scope"] in (None, 0, 1, 2, 3)
+    assert report["ptrace"]["seccomp"] in (None, True, False)
     for g in report["gpus"]:
         for key, kind in GPU_KEYS.items():
             assert isinstance(g[key], kind), key
@@ -79,7 +80,7 @@ def _report(**changes):
         "segments": {"dir": "/dev/shm", "writable": True, "shared_memory": True, "dev_shm": "writable"},
         "open_files": {"soft": 65536, "hard": 65536},
         "start_method": {"default": "spawn", "available": ["spawn"]},
-        "ptrace": {"ptrace_scope": 1, "pidfd_getfd": "allowed", "pidfd_getfd_error": None},
+        "ptrace": {"ptrace_scope": 1, "pidfd_getfd": "allowed", "pidfd_getfd_error": None, "seccomp": False},
         "gpu_error": None, "versions": {"cupy": "14", "driver_cuda": "13.0", "runtime": "13.0"},
         "gpus": [{"ordinal": 0, "name": "G", "uuid": "GPU-0", "memory_bytes": 2**30, "compute_capability": "9.0",
                   "unified_addressing": True, "async_engines": 4, "concurrent_kernels": True,
@@ -118,6 +119,10 @@ def _report(**changes):
      "allow_ptrace_from_any"),
     ({"ptrace__pidfd_getfd": "refused", "ptrace__pidfd_getfd_error": "EPERM", "ptrace__ptrace_scope": 2},
      "pidfd_getfd refused", "cupy_ipc.send_handle"),
+    # A container's seccomp profile, where Yama allows it: the cause named was Yama's rule that allows it.
+    ({"ptrace__pidfd_getfd": "refused", "ptrace__pidfd_getfd_error": "EPERM", "ptrace__ptrace_scope": 0,
+      "ptrace__seccomp": True}, "pidfd_getfd refused", "--cap-add SYS_PTRACE"),
+    ({"ptrace__pidfd_getfd": "unavailable"}, "pidfd_getfd unavailable", "cupy_ipc.send_handle"),
     ({"versions__driver_cuda": "12.9", "versions__runtime": "13.0"}, "older than the runtime",
      "update the NVIDIA driver"),
 ])

@@ -264,6 +264,41 @@ def test_closing_a_result_drops_the_other_ranks_arrays_wherever_its_lists_are_he
     assert all(h.closed for h in opened)
 
 
+def test_closing_a_result_closes_every_handle_even_past_one_that_raises():
+    # A peer that exited before its work had run makes its handle's close() raise: the loop stopped there, and
+    # the other peers' mappings (and their claims on the peers' memory) stayed as long as the result lived.
+    from cupy_ipc._groups import Gathered
+
+    class Handle:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.closed = fails, False
+
+        def close(self) -> None:
+            self.closed = True
+            if self.fails:
+                raise cupy_ipc.ProducerExitedError("the producer (pid 7) exited before its work had run", pid=7)
+
+    handles = [Handle(False), Handle(False), Handle(True)]  # closed last first
+    opened = list(handles)
+    with pytest.raises(cupy_ipc.ProducerExitedError):
+        Gathered(0, ["mine", "a", "b", "c"], handles).close()
+    assert handles == [] and all(h.closed for h in opened)
+
+
+@pytest.mark.parametrize("backend, device", [("nccl", "cuda"), ("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"),
+                                             ("cuda:nccl", "cuda"), ("cpu:gloo", "cpu"), ("mpi", "cpu")])
+def test_the_flags_travel_on_the_device_that_the_groups_backend_moves(monkeypatch, backend, device):
+    # A group made with a device-qualified backend ("cuda:nccl") was given CPU tensors, which it cannot move.
+    torch = pytest.importorskip("torch")
+    from cupy_ipc import _groups
+
+    engine = _groups._Engine.__new__(_groups._Engine)
+    engine.group = object()
+    engine.dist = type("Dist", (), {"get_backend": staticmethod(lambda group: backend)})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert engine._device().type == device
+
+
 class BrokenComm(HostsComm):
     """Two ranks of this host, whose gather of the handles fails (a peer died, or the group timed out)."""
 

@@ -28,7 +28,7 @@ def test_a_host_name_that_is_not_utf8_does_not_stop_the_import():
 
 
 # This process's boot id field, where the kernel's boot id cannot be read, on a host of the given machine id
-# ("": none readable either) and host name.
+# ("": none readable either; "EMPTY+id": /etc/machine-id empty, D-Bus's id) and host name.
 _KEY_WHERE_BOOT_ID_IS_UNREADABLE = """
 import builtins, io, socket, sys
 
@@ -42,6 +42,8 @@ def fake_open(path, *args, **kwargs):
     if path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         if not machine_id:
             raise FileNotFoundError(2, "No such file or directory", path)
+        if machine_id.startswith("EMPTY+"):
+            return io.BytesIO(b"\\n" if path == "/etc/machine-id" else machine_id[6:].encode() + b"\\n")
         return io.BytesIO(machine_id.encode() + b"\\n")
     return real_open(path, *args, **kwargs)
 
@@ -69,6 +71,8 @@ def test_hosts_whose_boot_id_cannot_be_read_still_differ():
     assert key("fedcba9876543210fedcba9876543210", "node-a") != a  # another machine of the same name
     assert key("0123456789abcdef0123456789abcdef", "node-b") != a  # a clone that kept its image's machine id
     assert key("", "node-a") != key("", "node-b")
+    # An empty /etc/machine-id (as images ship it) stopped the search: the host name alone made the key.
+    assert key("EMPTY+0123456789abcdef0123456789abcdef", "node-a") == a
 
 
 def test_the_boot_id_is_the_kernels_where_it_can_be_read():
