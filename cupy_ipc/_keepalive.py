@@ -165,6 +165,8 @@ def pin(keep: Any, origin: tuple[int, int, int], device: int, consumers: int, le
         _pins[export_id] = _Pin(export_id, slot, keep, origin, device, consumers, deadline, event, description)
         if deadline is not None:
             _watch(deadline, export_id)
+    if _unkept:  # (its sweep ended pins)
+        _let_go()
     return export_id, slot, handle, flags
 
 
@@ -243,13 +245,31 @@ def _try_free(seg: _segment.Segment, p: _Pin) -> bool:
     _free_slots.append(p.slot)
     if p.event is not None:
         _event_pool.setdefault(p.device, []).append(p.event)
+    _unkept.append(p.keep)  # let go of once _lock is released (_let_go): see there
     p.keep = None
     return True
 
 
+_unkept: list[Any] = []  # what ended pins kept, to let go of outside _lock
+
+
+def _let_go() -> None:
+    """Drop what ended pins kept, outside ``_lock``: the last reference to an array opened here from another
+    producer (sent on) runs its release, which may unmap (and wait for the GPU) while every export of this
+    process, and the lease thread, would wait for the lock."""
+    global _unkept
+    if _unkept:
+        _unkept = []  # (a list another thread swapped out meanwhile goes with its last reference, outside too)
+
+
 def sweep() -> int:
     """End every pin whose consumers are done; returns how many ended."""
-    return _sweep(_segment_here()) if _pins else 0
+    if not _pins:
+        return 0
+    try:
+        return _sweep(_segment_here())
+    finally:
+        _let_go()
 
 
 def sweep_owed() -> None:
@@ -286,15 +306,18 @@ def release(export_id: int) -> bool:
 
     Returns True if the export was still pinned.
     """
-    with _lock:
-        p = _pins.get(export_id)
-        if p is None:
-            return False
-        seg = _segment_here()
-        if not p.revoked:
-            _revoke(seg, p)
-        _try_free(seg, p)
-        return True
+    try:
+        with _lock:
+            p = _pins.get(export_id)
+            if p is None:
+                return False
+            seg = _segment_here()
+            if not p.revoked:
+                _revoke(seg, p)
+            _try_free(seg, p)
+            return True
+    finally:
+        _let_go()
 
 
 def pinned() -> list[PinInfo]:
@@ -334,12 +357,12 @@ def reset() -> None:
     The pinned arrays and pooled events are kept, not freed: freeing them
     would make CUDA calls, which a forked child must not.
     """
-    global _lock, _pins, _event_pool, _slot_counter, _exports_to_sweep, _leases_changed, _keeper, _owed
+    global _lock, _pins, _event_pool, _slot_counter, _exports_to_sweep, _leases_changed, _keeper, _owed, _unkept
     _lock = threading.RLock()
     _leases_changed, _keeper = threading.Condition(threading.Lock()), None  # the keeper thread is the parent's
     _leases.clear()
-    _inherited.append((_pins, _event_pool))
-    _pins, _event_pool = {}, {}
+    _inherited.append((_pins, _event_pool, _unkept))
+    _pins, _event_pool, _unkept = {}, {}, []
     _free_slots.clear()
     _slot_counter = itertools.count()
     _exports_to_sweep = 0

@@ -194,7 +194,9 @@ def wait(words: Words, stream_ptr: int, slot: int, value: int) -> bool:
 # stream than the last one's while that one's write may still be queued: the two writes could land out of
 # order, and "done" go back below a value already waited for. And for a record made by another process.
 
-_pairs_lock = threading.Lock()
+# Reentrant: an exported event's finalizer gives its pair back, and the cyclic garbage collector may run it on a
+# thread that holds the lock (taking or giving back another pair); each holder's work is one list operation.
+_pairs_lock = threading.RLock()
 _free_pairs: list[tuple[int, int]] = []  # (pair, the value of the last write queued to its "done")
 _next_pair = 0
 
@@ -287,7 +289,7 @@ def event_value(words: Words, pair: int) -> int | None:
 def _forget_after_fork() -> None:
     global _pairs_lock, _free_pairs, _next_pair, _lock
     # The parent's pairs and registrations: a forked child exports no event of them.
-    _pairs_lock, _lock, _free_pairs, _next_pair = threading.Lock(), threading.Lock(), [], 0
+    _pairs_lock, _lock, _free_pairs, _next_pair = threading.RLock(), threading.Lock(), [], 0
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

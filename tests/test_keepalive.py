@@ -297,6 +297,31 @@ def test_a_sweep_owed_after_a_send_that_fails_warns_and_stays_owed(monkeypatch):
     _keepalive.release(export_id)
 
 
+@pytest.mark.parametrize("how", ["release", "sweep", "the next pin's sweep"])
+def test_what_an_ended_pin_kept_is_let_go_of_outside_the_registrys_lock(how):
+    # An array opened here from another producer and sent on is pinned; the last reference to it runs its
+    # release, which may unmap and wait for the GPU: that ran under the lock, so every export of the process,
+    # and the lease thread, waited for it.
+    held: list[bool] = []
+
+    class Kept:
+        def __del__(self) -> None:
+            held.append(_keepalive._lock._is_owned())
+
+    export_id, slot, *_ = _keepalive.pin(Kept(), (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+    seg = _segment.own_segment(this_process().token)
+    if how == "release":
+        assert _keepalive.release(export_id)
+    else:
+        seg.write_opens(slot, 1)  # its one consumer opened it and is done
+        if how == "sweep":
+            assert _keepalive.sweep() >= 1
+        else:
+            nxt, *_ = _keepalive.pin(None, (0, 64, 0), 0, 1, None, None, ((16,), "float32"))
+            _keepalive.release(nxt)
+    assert held == [False] and export_id not in _keepalive._pins
+
+
 def test_more_consumers_than_a_segment_counts_are_refused():
     import cupy_ipc
 

@@ -196,6 +196,28 @@ def test_a_pair_given_back_serves_the_next_event_with_its_counts_going_on(pair):
     assert stream.queued[-1] == (0x20, done, 4)
 
 
+def test_a_pair_given_back_by_a_finalizer_while_its_thread_takes_another_does_not_hang(pair, monkeypatch):
+    # The cyclic garbage collector may finalize an exported event (giving its pair back) on a thread that holds
+    # the lock of the pairs, taking another: the lock was not reentrant, and that thread waited for itself.
+    import threading
+
+    ew, stream, issued, done = pair
+    other = _words.EventWords(ew.words, 5, 0)
+
+    class Collected(list):
+        def pop(self, *args):
+            item = super().pop(*args)
+            _words.give_back(other)  # as the finalizer of an event collected just now would
+            return item
+
+    monkeypatch.setattr(_words, "_free_pairs", Collected([(3, 0)]))
+    taken: list = []
+    t = threading.Thread(target=lambda: taken.append(_words.take_pair(None, 0)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and taken[0].pair == 3 and list(_words._free_pairs) == [(5, 0)]
+
+
 def test_past_the_pairs_an_event_gets_none(pair, monkeypatch):
     monkeypatch.setattr(_words, "_next_pair", _words.PAIRS)
     assert _words.take_pair(None, 0) is None
