@@ -216,7 +216,8 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
 
     The socket blocks, or has a time-out: a non-blocking one is refused
     (:class:`IpcError`), since a handle cut short would leave its rest to be
-    read as the next one.
+    read as the next one. (A time-out applies until the handle's first part
+    has gone: the rest follows whole.)
 
     The descriptors behind memory shared by descriptor travel as
     ``SCM_RIGHTS``, so the receiver needs no ptrace permission. Handles of
@@ -242,12 +243,29 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
     try:
         message = _HEAD.pack(len(data), len(fds)) + data
         sent = send_fds(sock, message, fds[:_FDS_PER_MESSAGE])
-        if sent < len(message):  # a socket with a time-out, or interrupted, takes part of what does not fit
-            sock.sendall(message[sent:], _NOSIGNAL)
-        for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # the kernel passes at most 253 per message
-            send_fds(sock, b"+", fds[k:k + _FDS_PER_MESSAGE])
+        with _no_time_out(sock):  # started: the rest must follow, or the reader takes it for the next handle
+            if sent < len(message):  # a socket with a time-out, or interrupted, takes part of what does not fit
+                sock.sendall(message[sent:], _NOSIGNAL)
+            for k in range(_FDS_PER_MESSAGE, len(fds), _FDS_PER_MESSAGE):  # at most 253 a message (the kernel's)
+                send_fds(sock, b"+", fds[k:k + _FDS_PER_MESSAGE])
     finally:
         close_all(fds)
+
+
+class _no_time_out:
+    """The socket without its time-out, if it has one, for the rest of a handle once its first part has gone or
+    come: a time-out part-way would leave that rest to be read as the next handle."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.timeout = sock, sock.gettimeout()
+
+    def __enter__(self) -> None:
+        if self.timeout is not None:
+            self.sock.settimeout(None)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.timeout is not None:
+            self.sock.settimeout(self.timeout)
 
 
 def send_fds(sock: socket.socket, data: bytes, fds: list[int]) -> int:
@@ -289,54 +307,63 @@ def recv_handle(sock: socket.socket) -> Any:
         >>> with recv_handle(b) as view:                    # doctest: +SKIP
         ...     print(view.sum())
     """
+    _check_socket(sock, "recv_handle")
+    head, fds, flags = recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)  # (a time-out here leaves nothing read)
+    truncated = flags & socket.MSG_CTRUNC
+    try:
+        with _no_time_out(sock):
+            return _rest_of_handle(sock, head, fds, truncated)
+    except OSError as e:  # (the peer reset the connection part-way, say)
+        raise IpcError(f"receiving a handle failed part-way: {e}") from e
+    finally:
+        for fd in fds:  # not taken by a handle
+            os.close(fd)
+
+
+def _rest_of_handle(sock: socket.socket, head: bytes, fds: list[int], truncated: int) -> Any:
+    """:func:`recv_handle` once its header has come; the descriptors it takes into a handle are removed from
+    ``fds``, which may grow."""
     from ._array_handle import IpcArrayHandle
     from ._events import IpcEventHandle
     from ._wire import ARRAY_MAGIC, MAX_DESCRIPTORS, MAX_WIRE_BYTES
 
-    _check_socket(sock, "recv_handle")
-    head, fds, flags = recv_fds(sock, _HEAD.size, _FDS_PER_MESSAGE)
-    truncated = flags & socket.MSG_CTRUNC
-    try:
-        if not head:
-            raise IpcError("the peer closed the socket before sending a handle")
-        if len(head) != _HEAD.size:
-            raise IpcError(f"the peer sent {len(head)} bytes where a handle's header has {_HEAD.size}: it is no "
-                           "handle sent with send_handle")
-        n, nfds = _HEAD.unpack(head)
-        if n > MAX_WIRE_BYTES or nfds > MAX_DESCRIPTORS:  # read no further: the counts say what to wait for
-            raise IpcError(f"the peer announced a handle of {n} bytes with {nfds} descriptors, more than any "
-                           f"handle has ({MAX_WIRE_BYTES} bytes, {MAX_DESCRIPTORS} descriptors): it is no handle "
-                           "sent with send_handle")
+    if not head:
+        raise IpcError("the peer closed the socket before sending a handle")
+    if len(head) != _HEAD.size:
+        raise IpcError(f"the peer sent {len(head)} bytes where a handle's header has {_HEAD.size}: it is no "
+                       "handle sent with send_handle")
+    n, nfds = _HEAD.unpack(head)
+    if n > MAX_WIRE_BYTES or nfds > MAX_DESCRIPTORS:  # read no further: the counts say what to wait for
+        raise IpcError(f"the peer announced a handle of {n} bytes with {nfds} descriptors, more than any "
+                       f"handle has ({MAX_WIRE_BYTES} bytes, {MAX_DESCRIPTORS} descriptors): it is no handle "
+                       "sent with send_handle")
+    _check_count(fds, nfds)
+    data = b""
+    while len(data) < n:
+        chunk, more, flags = recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
+        fds += more
         _check_count(fds, nfds)
-        data = b""
-        while len(data) < n:
-            chunk, more, flags = recv_fds(sock, n - len(data), _FDS_PER_MESSAGE)
-            fds += more
-            _check_count(fds, nfds)
-            truncated |= flags & socket.MSG_CTRUNC
-            if not chunk:
-                raise IpcError("the peer closed the socket in the middle of a handle")
-            data += chunk
-        # Exactly the marker messages the sender wrote (one per 253 descriptors past the first 253), so
-        # that a short count never reads into the next handle.
-        for _ in range(max(0, -(-nfds // _FDS_PER_MESSAGE) - 1)):
-            marker, more, flags = recv_fds(sock, 1, _FDS_PER_MESSAGE)
-            fds += more
-            _check_count(fds, nfds)
-            truncated |= flags & socket.MSG_CTRUNC
-            if not marker:
-                raise IpcError("the peer closed the socket before sending all descriptors")
-        if truncated:
-            raise IpcError("descriptors sent with this handle were dropped on receipt: this process is at its "
-                           "open-file limit (raise it with ulimit -n, or resource.setrlimit(RLIMIT_NOFILE))")
-        if len(fds) != nfds:
-            raise IpcError(f"the handle came with {len(fds)} descriptors where its sender wrote {nfds}")
-        if data[:4] == ARRAY_MAGIC:
-            h = IpcArrayHandle.from_bytes(data)
-            h._adopt_descriptors(fds)
-            fds = []
-            return h
-        return IpcEventHandle.from_bytes(data)
-    finally:
-        for fd in fds:  # not taken by a handle
-            os.close(fd)
+        truncated |= flags & socket.MSG_CTRUNC
+        if not chunk:
+            raise IpcError("the peer closed the socket in the middle of a handle")
+        data += chunk
+    # Exactly the marker messages the sender wrote (one per 253 descriptors past the first 253), so
+    # that a short count never reads into the next handle.
+    for _ in range(max(0, -(-nfds // _FDS_PER_MESSAGE) - 1)):
+        marker, more, flags = recv_fds(sock, 1, _FDS_PER_MESSAGE)
+        fds += more
+        _check_count(fds, nfds)
+        truncated |= flags & socket.MSG_CTRUNC
+        if not marker:
+            raise IpcError("the peer closed the socket before sending all descriptors")
+    if truncated:
+        raise IpcError("descriptors sent with this handle were dropped on receipt: this process is at its "
+                       "open-file limit (raise it with ulimit -n, or resource.setrlimit(RLIMIT_NOFILE))")
+    if len(fds) != nfds:
+        raise IpcError(f"the handle came with {len(fds)} descriptors where its sender wrote {nfds}")
+    if data[:4] == ARRAY_MAGIC:
+        h = IpcArrayHandle.from_bytes(data)
+        h._adopt_descriptors(list(fds))
+        fds.clear()
+        return h
+    return IpcEventHandle.from_bytes(data)

@@ -300,7 +300,7 @@ def _connection(name: bytes, pid: int) -> tuple[threading.Lock, socket.socket]:
             raise ProducerExitedError(f"producer process {pid} has exited", pid=pid) from None
         raise IpcError(f"could not reach producer process {pid} for the memory's descriptors: "
                        f"{os.strerror(e.errno or 0)}") from e
-    if server_pid != pid or uid not in (os.geteuid(), 0):
+    if server_pid != pid or uid not in (os.geteuid(), 0) and os.geteuid() != 0:  # (root may ask any user's)
         sock.close()
         if not _alive(pid):
             raise ProducerExitedError(f"producer process {pid} has exited", pid=pid)
@@ -411,17 +411,18 @@ def fetch(address: bytes, pid: int, numbers: list[int], resource: int = 0) -> li
                 if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # EBADF: another thread closed it
                     raise IpcError(f"asking producer process {pid} for descriptors failed: {e}") from e
                 state, fds, truncated = "closed", [], False
+            if state in ("garbled", "closed") or truncated:
+                # The rest of the answer may follow: closed before the lock goes, or the next request, another
+                # thread's, would take it (and its descriptors) as its own.
+                _forget_connection(name, sock)
         if state == "given" and not truncated:
             return fds
         close_all(fds)
-        if state == "garbled":  # the rest of the answer may follow: the next request would take it as its own
-            _forget_connection(name, sock)
         if truncated:  # the kernel dropped descriptors it could not install here
             raise IpcError(_TRUNCATED)
         if state in ("refused", "garbled"):
             raise IpcError(f"producer process {pid} no longer shares this memory (it refused its descriptors)")
-        _forget_connection(name, sock)  # broken
-        if attempt == 0 and _alive(pid):
+        if attempt == 0 and _alive(pid):  # (broken: forgotten above)
             continue
         break
     if not _alive(pid):

@@ -633,3 +633,37 @@ def test_recv_handle_stops_at_the_first_descriptor_more_than_announced():
         assert len(os.listdir("/proc/self/fd")) == before
     for fd in extra:
         os.close(fd)
+
+
+def test_a_receiver_with_a_time_out_takes_a_handle_that_comes_slowly_whole_and_the_next_one_too():
+    # A socket with a time-out (a poll loop's settimeout(1)) gave up part-way through a slow handle: TimeoutError,
+    # and the next recv_handle read the rest of that handle as its own, and every one after it out of step.
+    import threading
+    import time
+
+    from cupy_ipc import _descriptors
+
+    first, second = _pool_handle(), IpcArrayHandle._make(_pool_handle()._f._replace(offset=0, fd=11))
+    a, b = socket.socketpair()
+    b.settimeout(0.2)
+
+    def slow_sender() -> None:
+        data = first.to_bytes()
+        message = _descriptors._HEAD.pack(len(data), 0) + data
+        a.sendall(message[:20])
+        time.sleep(0.6)  # longer than the receiver's time-out
+        a.sendall(message[20:])
+        a.sendall(_descriptors._HEAD.pack(len(second.to_bytes()), 0) + second.to_bytes())
+
+    with a, b:
+        with pytest.raises(TimeoutError):  # nothing sent yet: the time-out is the caller's, and nothing is lost
+            cupy_ipc.recv_handle(b)
+        t = threading.Thread(target=slow_sender)
+        t.start()
+        try:
+            assert cupy_ipc.recv_handle(b) == first
+            assert cupy_ipc.recv_handle(b) == second
+            assert b.gettimeout() == 0.2
+        finally:
+            t.join(10)
+

@@ -1036,3 +1036,111 @@ def test_another_user_cannot_take_the_servers_name_before_it_starts(may_switch_u
         for x in (ready_r, ready_w, go_r, go_w):
             os.close(x)
     assert _ended_by(status) == "exit 0"
+
+
+def test_a_garbled_answers_connection_is_closed_before_another_thread_may_send_on_it(monkeypatch):
+    # The rest of an answer cut short may still follow on its connection: it was closed only once the
+    # connection's lock was let go, so a thread waiting for that lock sent its request there and took the rest
+    # of the first answer (another array's descriptors) as its own.
+    import secrets
+
+    from cupy_ipc import _fdserver
+
+    name = b"\0cupy_ipc-test-" + secrets.token_hex(8).encode()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen()
+    leftover = _memfd(b"the rest of the first answer")
+    answered: list[int] = []
+
+    def producer() -> None:  # a server of this process (the producer, as the kernel tells its consumer)
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    while conn.recv(4096):
+                        if not answered:  # the first request: an answer that says 2 and carries 1, then its rest
+                            socket.send_fds(conn, [_fdserver._COUNT.pack(2)], [leftover])
+                            socket.send_fds(conn, [_fdserver._COUNT.pack(1)], [leftover])
+                        else:
+                            conn.sendall(_fdserver._COUNT.pack(0))  # refused
+                        answered.append(1)
+                except OSError:  # the consumer closed it with the rest of an answer unread
+                    pass
+
+    threading.Thread(target=producer, daemon=True).start()
+    real = _fdserver._answer_of
+    waiting = threading.Event()
+
+    def answer_of(sock, n):
+        got = real(sock, n)
+        if got[0] == "garbled":
+            waiting.set()
+            time.sleep(0.3)  # the other thread is now waiting for the connection's lock
+        return got
+
+    monkeypatch.setattr(_fdserver, "_answer_of", answer_of)
+    close_all = _fdserver.close_all
+
+    def slow_close_all(fds):  # the first thread switched out just after its lock was let go
+        time.sleep(0.3)
+        close_all(fds)
+
+    monkeypatch.setattr(_fdserver, "close_all", slow_close_all)
+    address = name + bytes(16)
+    second: list = []
+
+    def other() -> None:
+        waiting.wait(10)
+        try:
+            second.append(fetch(address, os.getpid(), [7]))
+        except IpcError as e:
+            second.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        with pytest.raises(IpcError):
+            fetch(address, os.getpid(), [3, 4])
+        t.join(30)
+        [got] = second
+        if not isinstance(got, IpcError):
+            contents = [_read(fd) for fd in got]
+            os_close_all(got)
+            pytest.fail(f"the second request took the first answer's descriptors: {contents}")
+        assert "refused" in str(got)
+    finally:
+        listener.close()
+        os.close(leftover)
+        _fdserver._close_connections()
+
+
+def test_root_is_served_by_another_users_producer(may_switch_user):  # noqa: F811
+    # The server serves its own user and root, but a root consumer asked only servers of its own user or root:
+    # a producer of another user was refused as "not the producer".
+    from cupy_ipc import _fdserver
+
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+
+    def producer() -> str:
+        _as_nobody()
+        _serve_memfd(b"nobody's", w)
+        os.read(go_r, 1)  # until told to exit
+        return "done"
+
+    pid = _child(producer, pipe_out=w)
+    name_hex, fd = _read_line(r).split()
+    try:
+        (got,) = fetch(bytes.fromhex(name_hex), pid, [int(fd)])
+        assert _read(got) == b"nobody's"
+        os.close(got)
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        _fdserver._close_connections()
+        for x in (r, w, go_r, go_w):
+            os.close(x)
