@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for kind in kinds for n in args.writers
             for row in run_case(kind, n, args.hold, nbytes, args.iters, args.rounds, args.buffers,
                                     args.check)]
-    from cupy_ipc import _mapping
+    import cupy_ipc
 
-    print(f"\nthe consumer's idle mapping limit at the end: {_mapping._idle_limit}")
+    print(f"\nthe consumer's idle mapping limit at the end: {cupy_ipc.idle_mapping_limit()}")
     print("\n" + markdown(rows))  # last: the table is what follows the last blank line
     return 0
 

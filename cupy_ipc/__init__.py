@@ -30,7 +30,7 @@ from ._events import IpcEvent, IpcEventHandle
 from ._groups import Gathered, all_gather, node_local_ranks
 from ._identity import Producer
 from ._keepalive import PinInfo
-from ._mapping import set_idle_mapping_limit
+from ._mapping import idle_mapping_limit, set_idle_mapping_limit
 from ._pools import ShareableMemoryPool
 from ._wire import DeviceId
 
@@ -54,6 +54,7 @@ __all__ = [
     "allow_ptrace_from_any",
     "collect",
     "get_ipc_handle",
+    "idle_mapping_limit",
     "node_local_ranks",
     "open_info",
     "pinned",

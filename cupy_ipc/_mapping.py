@@ -57,7 +57,8 @@ from . import _cuda, _fork, _pools, _reaper, _segment, _threads
 from ._args import checked_count
 from ._errors import HandleError, IpcError, warn_quietly
 
-__all__ = ["Lease", "abandon", "acquire", "collect_idle", "opened", "set_idle_mapping_limit", "counts"]
+__all__ = ["Lease", "abandon", "acquire", "collect_idle", "counts", "idle_mapping_limit", "opened",
+           "set_idle_mapping_limit"]
 
 
 # How memory other than a legacy handle's is mapped: (map() -> pointer, unmap(pointer), descriptors kept open).
@@ -159,6 +160,19 @@ def set_idle_mapping_limit(n: int, *, grow: bool = False) -> int:
         _trim_idle()
     _close_pending()
     return old
+
+
+def idle_mapping_limit() -> int:
+    """How many unused mappings this process keeps for re-opening now: the limit that
+    :func:`set_idle_mapping_limit` set, or that has grown since (see there).
+
+    Example:
+        >>> old = set_idle_mapping_limit(5)
+        >>> idle_mapping_limit()
+        5
+        >>> _ = set_idle_mapping_limit(old, grow=True)
+    """
+    return _idle_limit
 
 
 def _fd_limit() -> int:

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_keepalive import _eventually
 
+import cupy_ipc
 from cupy_ipc import _mapping
 
 A, B = b"a" * 16, b"b" * 16  # two senders' tokens
@@ -110,6 +111,7 @@ def test_a_limit_set_by_hand_stays_as_set_unless_told_to_grow(growing):
     with _mapping._lock:
         _mapping._wanted_again(("key", 2))
     assert _mapping._idle_limit == 2
+    assert cupy_ipc.idle_mapping_limit() == 2  # the grown limit, read without setting it (which stops growth)
 
 
 @given(st.lists(st.integers(0, 24), max_size=300))
