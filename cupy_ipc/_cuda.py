@@ -207,11 +207,7 @@ def unavailable_reason() -> str | None:
 
 
 def _has_driver_library() -> bool:
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
+    return _libcuda_fn("cuInit", ctypes.c_uint) is not None  # (loaded as the library's own driver calls load it)
 
 
 @functools.lru_cache(maxsize=None)
