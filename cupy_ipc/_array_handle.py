@@ -639,7 +639,7 @@ def _open_common(f: ArrayFields, claimed: list[bool] | None = None) -> Any:
             _mapping.abandon(lease, last_try)  # now, not when the traceback (which holds the lease) goes
             raise
     except _cuda._runtime_error() as e:
-        raise _cuda._translated("opening the array", e) from e
+        raise _cuda._translated("opening the array", e, opening=True) from e
     return arr
 
 

@@ -52,7 +52,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-# A hint for the CUDA errors that users of IPC meet, keyed by CUDA error name.
+# A hint for the CUDA errors that users of IPC meet, keyed by CUDA error name. Those of _OPENING_ONLY say what
+# the error means when a handle is opened, and only such calls carry them (recording an event on a destroyed
+# stream is no sign that a producer freed anything).
 _HINTS = {
     "cudaErrorDeviceUninitialized": (
         "the handle was opened in a context that cannot import it; opening in "
@@ -70,6 +72,8 @@ _HINTS = {
     "cudaErrorIllegalAddress": "a kernel touched memory it may not; the CUDA context is lost",
     "cudaErrorDevicesUnavailable": "the GPU is in a compute mode that admits one process only",
 }
+_OPENING_ONLY = frozenset({"cudaErrorDeviceUninitialized", "cudaErrorInvalidResourceHandle",
+                           "cudaErrorMapBufferObjectFailed", "cudaErrorInvalidValue"})
 
 
 NOT_READY = 600  # cudaErrorNotReady: what a query of unfinished work returns
@@ -79,8 +83,9 @@ def _cuda_error_name(exc: BaseException) -> str:
     return str(exc).split(":", 1)[0].strip()
 
 
-def call(what: str, fn: Callable[..., T], *args: Any, error: type[IpcError] = IpcError) -> T:
-    """Run a CUDA runtime call; raise ``error`` with the CUDA name and a hint.
+def call(what: str, fn: Callable[..., T], *args: Any, error: type[IpcError] = IpcError, opening: bool = False) -> T:
+    """Run a CUDA runtime call; raise ``error`` with the CUDA name and a hint (those about handles only where
+    ``opening``: the call opens or creates what a handle names).
 
     Example:
         >>> call("adding", lambda a, b: a + b, 1, 2)
@@ -89,12 +94,14 @@ def call(what: str, fn: Callable[..., T], *args: Any, error: type[IpcError] = Ip
     try:
         return fn(*args)
     except _runtime_error() as e:
-        raise _translated(what, e, error) from e
+        raise _translated(what, e, error, opening=opening) from e
 
 
-def _translated(what: str, e: Exception, error: type[IpcError] = IpcError) -> IpcError:
+def _translated(what: str, e: Exception, error: type[IpcError] = IpcError, *, opening: bool = False) -> IpcError:
     name = _cuda_error_name(e)
-    hint = _HINTS.get(name)
+    hint = _HINTS.get(name) if opening or name not in _OPENING_ONLY else None
+    if name == "cudaErrorInsufficientDriver" and not _has_driver_library():  # (not old: missing)
+        hint = "the NVIDIA driver is not installed: libcuda.so.1 cannot be loaded"
     return error(f"{what} failed: {e}" + (f" ({hint})" if hint else ""), cuda_error=name)
 
 
@@ -631,11 +638,11 @@ def _make_as_runtime(what: str, device: int, out: ctypes.c_uint64 | ctypes.c_voi
     """:func:`_make` where CuPy's runtime serves without libcuda (``fallback()`` returns what it made), with the
     runtime's names in errors (the driver's codes for these errors are the runtime's)."""
     if fn is None:
-        out.value = call(what, fallback)
+        out.value = call(what, fallback, opening=True)
         return
     err = _in_context(device, fn, ctypes.byref(out), *args)
     if err:
-        raise _translated(what, _runtime_error()(err))
+        raise _translated(what, _runtime_error()(err), opening=True)
 
 
 def import_pool_pointer(pool: Any, data: bytes, device: int, out: ctypes.c_uint64) -> None:

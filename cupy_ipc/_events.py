@@ -140,6 +140,9 @@ class IpcEvent:
         ptr = self.ptr  # first: it checks for a fork
         stream_ptr = _cuda.stream_ptr(stream, self._device)
         _cuda.check_default_stream_of(stream, stream_ptr, self._device, "the event")
+        seg = self._words_segment()
+        if seg is not None:  # before the record: a wait that sees the record must find "issued" odd
+            _words.mark_unworded_in(seg, self._handle._f.pair - 1)
         try:
             with _cuda.using_device(self._device):  # (a default stream acts on the current GPU)
                 def record() -> None:
@@ -151,19 +154,19 @@ class IpcEvent:
                     record()
         except IpcError as e:
             raise _cuda.of_another_gpu(e, stream_ptr, self._device, "the event") from e
-        if self._opened and self._handle is not None and self._handle._f.pair:
-            self._unworded()
+        if seg is not None:  # and after: over a value that a record of the producer's may have set meanwhile
+            _words.mark_unworded_in(seg, self._handle._f.pair - 1)
 
-    def _unworded(self) -> None:
-        """Tell the consumers of the producer's word for this event that its latest record has none: made
-        here, in a consumer (they poll the event then)."""
+    def _words_segment(self) -> Any:
+        """For an opened event that has the producer's pair of words, the producer's segment, through whose
+        plain view a record made here tells every consumer that its latest record has no word (they poll the
+        event then), whether or not this process could register the words with CUDA; else ``None``."""
+        if not (self._opened and self._handle is not None and self._handle._f.pair):
+            return None
         try:
-            seg = _segment.attach(self._handle.producer.token, self._handle.producer.pid)
+            return _segment.attach(self._handle.producer.token, self._handle.producer.pid)
         except ProducerExitedError:  # nobody waits for its words any more
-            return
-        words = _words.of_producer(seg, self._device)
-        if words is not None:
-            _words.mark_unworded(words, self._handle._f.pair - 1)
+            return None
 
     def wait(self, stream: Any = None) -> None:
         """Make ``stream`` (default: current) wait for the event on the GPU; the host does not block.

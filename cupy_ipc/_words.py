@@ -276,6 +276,20 @@ def mark_unworded(words: Words, pair: int) -> None:
     words.set(issued_word(pair), words.read(issued_word(pair)) | 1)
 
 
+def mark_unworded_in(seg: Any, pair: int) -> None:
+    """:func:`mark_unworded` through ``seg``'s plain view of its file (its first :data:`BYTES` are the words),
+    which needs no registration with CUDA."""
+    while True:
+        mm = seg.mm
+        if mm is None or len(mm) < BYTES:
+            return
+        try:
+            mark_unworded(Words(mm, 0, -1), pair)
+            return
+        except ValueError:  # (closed by another thread's remap: the new view, then)
+            continue
+
+
 def event_value(words: Words, pair: int) -> int | None:
     """What a wait on the event of producer's pair ``pair`` waits for "done" to reach now: 0 for nothing
     (its latest record's work is done, or it was never recorded), ``None`` where its latest record has no

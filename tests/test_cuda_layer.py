@@ -141,3 +141,40 @@ def test_a_gpu_ordinal_that_is_not_an_integer_is_refused(monkeypatch, bad):
     assert _cuda.checked_ordinal(types.SimpleNamespace(id=1)) == 1  # a cupy.cuda.Device
     with pytest.raises(IpcError, match="there is no GPU 2"):
         _cuda.checked_ordinal(2)
+
+
+def test_a_runtime_error_where_no_driver_is_installed_says_so_not_that_the_driver_is_too_old(monkeypatch):
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    from cupy_ipc import _cuda
+
+    monkeypatch.setattr(_cuda, "_has_driver_library", lambda: False)
+
+    def no_driver():
+        raise CUDARuntimeError(35)  # cudaErrorInsufficientDriver: what the runtime says without libcuda.so.1
+
+    with pytest.raises(_cuda.IpcError, match="driver is not installed"):
+        _cuda.call("counting GPUs", no_driver)
+
+
+# Every runtime error carried the hints about handles: recording an event on a destroyed stream said "the
+# producer freed this memory or event".
+def test_the_hints_about_handles_come_with_opens_only():
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    from cupy_ipc import _cuda
+
+    def invalid_handle():
+        raise CUDARuntimeError(400)  # cudaErrorInvalidResourceHandle
+
+    with pytest.raises(_cuda.IpcError, match="invalid resource handle") as e:
+        _cuda.call("recording an event", invalid_handle)
+    assert "producer" not in str(e.value) and e.value.cuda_error == "cudaErrorInvalidResourceHandle"
+    with pytest.raises(_cuda.IpcError, match="the producer freed this memory or event"):
+        _cuda.call("opening the event", invalid_handle, opening=True)
+
+    def illegal_address():
+        raise CUDARuntimeError(700)  # what any call says once the context is lost
+
+    with pytest.raises(_cuda.IpcError, match="the CUDA context is lost"):
+        _cuda.call("recording an event", illegal_address)

@@ -171,3 +171,38 @@ def test_a_host_wait_spins_unless_the_event_was_made_with_blocking_sync(destroye
         ev.close()
     assert len(slept) == 5  # (the first query is synchronize's own: not done, so it polls)
     assert set(slept) == ({_events._gates.poll_interval(0)} if block else {0})
+
+
+# A consumer's record marked the producer's "issued" word odd only where it could register the words with CUDA
+# (host registration fails at the pinned-memory limit): another consumer, whose registration worked, read the
+# producer's even value as the latest record's and its wait skipped this consumer's work.
+def test_a_consumers_record_marks_the_producers_word_before_recording_even_without_registered_words(monkeypatch):
+    import ctypes
+    import os
+    import secrets
+
+    from cupy_ipc import _segment, _words
+
+    token = secrets.token_bytes(16)
+    producer_seg = _segment.Segment.create(token)
+    try:
+        plain = _words.Words(producer_seg.mm, 0, 0)
+        plain.set(_words.issued_word(0), 4)  # the producer's latest record, its work done
+        plain.set(_words.done_word(0), 4)
+        seen_at_record: list[int] = []
+        runtime = types.SimpleNamespace(
+            getDevice=lambda: 0, setDevice=lambda device: None, eventDestroy=lambda ev: None,
+            eventRecord=lambda ev, s: seen_at_record.append(plain.read(_words.issued_word(0))))
+        monkeypatch.setattr(_cuda, "rt", lambda: runtime)
+        monkeypatch.setattr(_words, "of_producer", lambda seg, device: None)  # could not register
+        me = this_process()
+        handle = IpcEventHandle._make(EventFields(bytes(64), False, DeviceId(0, bytes(16)),
+                                                  Producer(os.getpid(), token, me.boot_id, me.host), pair=1))
+        ev = IpcEvent.__new__(IpcEvent)
+        ev._adopt(ctypes.c_void_p(0), 0, False, handle, opened=True)
+        ev._ptr = EVENT
+        ev.record(types.SimpleNamespace(ptr=0x5000))
+        assert seen_at_record and seen_at_record[0] & 1  # odd already when the record was made
+        assert _words.event_value(plain, 0) is None  # every other consumer polls the event
+    finally:
+        producer_seg.close(unlink=True)
