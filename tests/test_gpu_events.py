@@ -136,6 +136,28 @@ def test_records_on_two_streams_order_a_consumers_wait_for_the_latest(consumer):
     second.synchronize()
 
 
+# A consumer's record marked the producer's "issued" word odd only where that consumer had registered the words
+# with CUDA: another consumer took the producer's even value (its own record, long done) as the latest record's
+# and its wait let its stream read before the first consumer's write.
+def test_a_consumers_record_orders_another_consumers_wait_even_where_it_has_no_registered_words(remote):
+    import cupy
+
+    import cupy_ipc
+
+    writer, reader = remote(), remote()
+    writer.call("warm_up")
+    reader.call("warm_up")
+    a = cupy.zeros(1 << 16, cupy.float32)
+    ev = cupy_ipc.IpcEvent()
+    event_data = ev.get_ipc_handle().to_bytes()  # before the record: the record writes the producer's word
+    ev.record()
+    ev.synchronize()  # the producer's latest record: done
+    arr_data = cupy_ipc.get_ipc_handle(a, keepalive=False, sync=False).to_bytes()
+    writer.call("write_then_record_unregistered", arr_data, event_data, 2.0, 7.0)
+    out = reader.call("read_after_event", arr_data, event_data, True)
+    assert (out == 7).all()
+
+
 def test_opened_event_is_destroyed_once(consumer):
     import cupy_ipc
 

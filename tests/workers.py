@@ -691,6 +691,26 @@ def read_after_event(arr_data: bytes, event_data: bytes, wait: bool) -> np.ndarr
     return cupy.asnumpy(out)
 
 
+def write_then_record_unregistered(arr_data: bytes, event_data: bytes, seconds: float, value: float) -> None:
+    """Open an array and an event whose words this process cannot register with CUDA (as at the pinned-memory
+    limit), queue ``seconds`` of spinning then a fill with ``value`` on a stream, and record the event there.
+    Returns at once; the array and event are kept."""
+    import cupy
+
+    from cupy_ipc import IpcArrayHandle, IpcEventHandle, _words
+
+    warm_up()
+    _words.of_producer = lambda seg, device: None  # no registered words in this process
+    ev = IpcEventHandle.from_bytes(event_data).open()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    arr = IpcArrayHandle.from_bytes(arr_data).open(stream=stream)
+    spin(seconds, stream)
+    with stream:
+        arr.fill(value)
+    ev.record(stream)
+    _held["recorded"] = (ev, arr, stream)
+
+
 def read_after_event_holding_the_library_thread(arr_data: bytes, event_data: bytes) -> dict:
     """Open an array and an event, make a stream wait for the event, then copy the array on that stream while
     holding the lock that the library's waiting thread needs: only a wait released on the GPU lets the copy
