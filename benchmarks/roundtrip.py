@@ -19,7 +19,7 @@ ack, timed by the producer. Methods:
 - ``mp``: the array itself on a queue, through ``cupy_ipc.multiprocessing``
   (the same guarantees; the array is pickled by handle);
 - ``pool``: as ``mp``, with arrays of a ``cupy_ipc.ShareableMemoryPool``
-  (shared by file descriptor: the pool once, then 64 bytes per array);
+  (shared by file descriptor: the pool once, then a handle with 64 bytes of export data per array);
 - ``vmm``: as ``mp``, with arrays of CUDA's virtual memory API (one
   descriptor per allocation);
 - ``mp-eager`` (only when named): as ``mp``, with each export's sweep (which

@@ -14,8 +14,8 @@ Each export first ends the pins of its process whose consumers are done (its
 sweep). The two orders of that sweep, each writer switching between them
 round by round:
 
-- ``after``: the library's, made by the sender right after it has written the
-  message, so while a queue's sender still holds the queue's write lock;
+- ``after``: the library's, made by the sender once it has written the
+  message and let go of the queue's write lock;
 - ``eager``: made while the message is pickled, before that lock is taken.
 
 Reported per case: messages a second over all writers, the writers' median

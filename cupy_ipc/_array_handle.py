@@ -313,7 +313,7 @@ def _as_cupy(array: Any) -> Any:
         return cupy.asarray(array)
     raise TypeError(
         f"cannot share a {type(array).__name__}: pass a cupy.ndarray or an object with "
-        "__cuda_array_interface__ or __dlpack__ on a CUDA device"
+        "__cuda_array_interface__ or __dlpack__/__dlpack_device__ on a CUDA device"
     )
 
 
@@ -337,7 +337,8 @@ def get_ipc_handle(
 
     Args:
         array: A ``cupy.ndarray`` of any layout, or any object with
-            ``__dlpack__`` or ``__cuda_array_interface__`` on a CUDA device
+            ``__dlpack__`` and ``__dlpack_device__``, or
+            ``__cuda_array_interface__``, on a CUDA device
             (a PyTorch tensor, a Numba device array).
         stream: Where the work that produces the array was queued (default:
             CuPy's current stream of the array's GPU). With ``sync``, if
@@ -700,9 +701,10 @@ class IpcArrayHandle:
     integer belongs, or text where bytes do, raises :class:`HandleError`.
 
     ``open()`` maps the memory and returns a ``cupy.ndarray``; ``close()``
-    drops the arrays this handle returned. The mapping itself ends when the
-    last array or view using it is garbage-collected, so closing never
-    strands an array.
+    drops the arrays this handle returned. When the last array or view using
+    the mapping is garbage-collected, the mapping is unmapped, or kept idle for
+    the next open where this process released the same allocation before (see
+    :func:`cupy_ipc.set_idle_mapping_limit`), so closing never strands an array.
 
     Example:
         >>> h = IpcArrayHandle(memory_handle=bytes(64), offset=0, allocation_size=64,
@@ -920,7 +922,8 @@ class IpcArrayHandle:
                 on, and that CuPy then uses it from: a mapping is reachable
                 from its own GPU only. By default the current GPU, if it is
                 the GPU holding the memory (found by UUID) or has peer access
-                to it (NVLink or PCIe; a ``PerformanceWarning`` says so once),
+                to it (NVLink or PCIe; CuPy's ``cupy._util.PerformanceWarning``, a
+                ``RuntimeWarning``, says so once per pair of GPUs),
                 else the GPU holding the memory.
             copy: When ``device`` is not the memory's GPU, copy the array
                 there instead of mapping it across GPUs (needed where the
@@ -1113,9 +1116,10 @@ class IpcArrayHandle:
     def close(self) -> None:
         """Drop the arrays this handle opened, and close the descriptors that came with it. Idempotent.
 
-        Memory is unmapped when the last array or view using it is freed. If
-        views other than the returned array outlive this call, a
-        ``ResourceWarning`` says how many.
+        Memory is unmapped (or kept idle for the next open, see
+        :func:`cupy_ipc.set_idle_mapping_limit`) when the last array or view
+        using it is freed. If views other than the returned array outlive this
+        call, a ``ResourceWarning`` says how many.
 
         Raises:
             ProducerExitedError: The producer exited before the work that the

@@ -223,6 +223,13 @@ def send_handle(sock: socket.socket, handle: Any) -> None:
     ``SCM_RIGHTS``, so the receiver needs no ptrace permission. Handles of
     legacy memory travel as their bytes alone.
 
+    Raises:
+        TypeError: ``handle`` is not an :class:`IpcArrayHandle` or
+            :class:`IpcEventHandle`, or ``sock`` is not a socket.
+        IpcError: ``sock`` is not a blocking (or time-out) ``AF_UNIX``
+            ``SOCK_STREAM`` socket, the memory was freed since its export,
+            or the handle could not be sent whole.
+
     Example:
         >>> a, b = socket.socketpair()                      # doctest: +SKIP
         >>> send_handle(a, cupy_ipc.get_ipc_handle(arr))   # doctest: +SKIP
@@ -296,6 +303,7 @@ def recv_handle(sock: socket.socket) -> Any:
     """Receive a handle sent with :func:`send_handle`; its descriptors come with it.
 
     Raises:
+        TypeError: ``sock`` is not a socket.
         IpcError: The peer closed the socket, sent something else than a
             handle, or its descriptors were dropped (this process is at its
             open-file limit).

@@ -18,8 +18,9 @@ class Producer(NamedTuple):
     """Identity of the process that exported a handle.
 
     ``token`` is random per process, so a recycled pid never matches;
-    ``boot_id`` is the kernel's, shared by every container on one host (see
-    :func:`boot_id` for where the kernel's cannot be read).
+    ``boot_id`` is the kernel's, shared by every container on one host
+    (where ``/proc/sys/kernel/random/boot_id`` cannot be read, a key made
+    of the machine id and the host name).
 
     Example:
         >>> h = cupy_ipc.get_ipc_handle(cupy.zeros(4))   # doctest: +SKIP

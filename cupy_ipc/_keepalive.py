@@ -48,10 +48,16 @@ __all__ = ["PinInfo", "awaiting", "deferral", "lookup", "pin", "pinned", "releas
 class PinInfo(NamedTuple):
     """One export the producer keeps alive, as :func:`cupy_ipc.pinned` reports it.
 
+    ``nbytes`` is the size of the allocation the pin keeps alive (the whole ``cudaMalloc`` block or pool
+    allocation, which other pinned arrays may share), not the array's own; ``consumers`` is how many processes
+    the export was made for (``get_ipc_handle(consumers=...)``) and ``opens`` how many opens it has counted
+    so far; ``age_s`` the seconds since the export and ``lease_left_s`` those before its lease runs out
+    (``None``: no lease); ``revoked`` that no further open is let in.
+
     Example:
         >>> import cupy_ipc
-        >>> sum(p.nbytes for p in cupy_ipc.pinned())      # bytes kept alive for consumers
-        0
+        >>> [p.export_id for p in cupy_ipc.pinned()]      # what this process keeps alive for consumers
+        []
     """
 
     export_id: int

@@ -384,8 +384,9 @@ class ShareableMemoryPool:
 
     One stream-ordered pool per GPU, created with a POSIX file-descriptor
     handle type; blocks are allocated (``cudaMallocFromPoolAsync``) and freed
-    (``cudaFreeAsync``) on the current stream. Each array exports as 64 bytes
-    once a consumer has the pool (its descriptor crosses once per consumer).
+    (``cudaFreeAsync``) on the current stream. Each array's handle carries the
+    allocation's 64 bytes of export data; the pool's descriptor crosses once
+    per consumer.
     Built on these calls rather than on CuPy's ``MemoryAsyncPool``, which
     allocates from the device's *current* pool and so makes its pool current
     for the whole process: every other stream-ordered allocation would land
@@ -452,6 +453,7 @@ class ShareableMemoryPool:
         return self._attribute("cudaMemPoolAttrReservedMemCurrent")
 
     def free_bytes(self) -> int:
+        """Bytes the pool holds on the current GPU and has not handed out (``total_bytes() - used_bytes()``)."""
         return self.total_bytes() - self.used_bytes()
 
     def free_all_blocks(self, stream: Any = None) -> None:

@@ -44,7 +44,7 @@ opened, for at most :func:`set_exit_wait` seconds (10 by default).
 An array or event that cannot be opened where it is received (its lease
 ran out, say) raises there, in ``get()`` or ``recv()``; in a ``Pool`` or
 ``ProcessPoolExecutor``, whose workers and result readers would not survive
-that, it fails its task instead (see :func:`_loads`), and their workers
+that, it fails its task instead, and their workers
 import this module as they start.
 
 Use the ``spawn`` or ``forkserver`` start method: a child forked after CUDA
@@ -681,8 +681,9 @@ _registered = False
 def init_reductions() -> None:
     """Register the reducers with ``multiprocessing.reduction.ForkingPickler``. Idempotent.
 
-    Importing this module calls it; call it yourself in code that uses the
-    standard :mod:`multiprocessing` module directly.
+    Importing this module calls it, so code that uses the standard
+    :mod:`multiprocessing` module directly needs only that import; calling it
+    again does nothing.
 
     Example:
         >>> import cupy_ipc.multiprocessing
