@@ -357,7 +357,8 @@ def get_ipc_handle(
             again; an open that fails does not count.)
         lease: Seconds after which the export is revoked (new opens are
             refused) if not all consumers opened it; ``None`` keeps it until
-            :meth:`IpcArrayHandle.release`.
+            :meth:`IpcArrayHandle.release`. It needs ``keepalive`` or
+            ``sync``: without both there is no export to revoke.
 
     Returns:
         An immutable, picklable :class:`IpcArrayHandle`.
@@ -365,8 +366,9 @@ def get_ipc_handle(
     Raises:
         TypeError: ``array`` is not a GPU array, ``consumers`` not an
             integer or ``lease`` not a number.
-        ValueError: ``consumers`` or ``lease`` is not positive, or
-            ``consumers`` is above 2**32 - 1.
+        ValueError: ``consumers`` or ``lease`` is not positive,
+            ``consumers`` is above 2**32 - 1, or ``lease`` comes with
+            ``keepalive=False, sync=False``.
         HandleError: Its dtype cannot be shared.
         IpcError: Its memory cannot be shared (managed or host memory, or
             pool or virtual-memory allocations made without a POSIX
@@ -390,6 +392,8 @@ def get_ipc_handle(
         consumers = checked_count(consumers, "consumers", 1, _segment.MAX_OPENS)  # what a segment counts
     if lease is not None:
         lease = checked_lease(lease)
+        if not keepalive and not sync:
+            raise ValueError("lease needs an export to revoke: it has none with keepalive=False and sync=False")
     arr = _as_cupy(array)
     if stream is not None and sync:
         _cuda.check_default_stream_of(stream, _cuda.stream_ptr(stream), arr.data.device_id, "the array")
@@ -397,6 +401,7 @@ def get_ipc_handle(
         device = arr.data.device_id
         fields = ArrayFields(Kind.EMPTY, 0, dtype_of(arr.dtype), _NO_HANDLE, 0, 0, 0, 0,
                              _device_id(device), this_process(), 0, 0, _NO_HANDLE, arr.shape, arr.strides)
+        validate_layout(fields)  # CuPy allows empty shapes whose other extents from_bytes refuses: say so here
         return IpcArrayHandle._make(fields)
     # A live array's wire form is cached after its first export: later ones change only the export part,
     # unless the array was reshaped in place since (CuPy lets `a.shape = ...` change a live array's layout).
@@ -1166,11 +1171,18 @@ class IpcArrayHandle:
 
         Raises:
             IpcError: Called in a process other than the producer.
+            HandleError: The handle carries the number of another export
+                than the memory it names: it is forged or corrupt.
         """
-        if self._f.producer.token != this_process().token:
+        f = self._f
+        if f.producer.token != this_process().token:
             raise IpcError("release() is for the process that exported the handle")
-        if self._f.export_id:
-            _keepalive.release(self._f.export_id)
+        if f.export_id:
+            pin = _keepalive.lookup(f.export_id)
+            if pin is not None and pin[1] != (f.base_ptr, f.allocation_size, f.buffer_id):
+                raise HandleError("the handle names other memory than the export it carries the number of: it "
+                                  "is forged or corrupt")
+            _keepalive.release(f.export_id)
 
     def __enter__(self) -> Any:
         return self.open()

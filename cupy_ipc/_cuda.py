@@ -13,6 +13,7 @@ import operator
 import threading
 from typing import Any, Callable, NamedTuple, TypeVar
 
+from ._args import shown
 from ._errors import HandleError, IpcError
 
 __all__ = [
@@ -367,7 +368,7 @@ def checked_ordinal(device: Any) -> int:
         raise TypeError(f"device must be a GPU ordinal (an integer) or a cupy.cuda.Device, not "
                         f"{type(device).__name__}") from None
     if not 0 <= ordinal < device_count():
-        raise IpcError(f"there is no GPU {ordinal} in this process ({device_count()} visible)")
+        raise IpcError(f"there is no GPU {shown(ordinal)} in this process ({device_count()} visible)")
     return ordinal
 
 

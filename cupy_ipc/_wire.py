@@ -193,7 +193,7 @@ def dtype_of(value: object) -> np.dtype:
     try:
         dt = np.dtype(value)  # type: ignore[call-overload]
     except Exception as e:  # NumPy parses text as dtype syntax: "," raises SyntaxError
-        raise HandleError(f"not a dtype: {value!r}") from e
+        raise HandleError(f"not a dtype: {shown(value)!r}") from e
     if dt.str not in _DTYPES:
         raise HandleError(
             f"dtype {dt} cannot be shared: only bool, integer, float and complex "
