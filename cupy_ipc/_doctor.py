@@ -532,12 +532,19 @@ def build_report(self_test: bool = True) -> dict[str, Any]:
                 (_VMM, "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "virtual-memory allocations",
                  lambda: _vmm.allocate),
                 (_POOL, "CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES", "stream-ordered pools",
-                 lambda: ShareableMemoryPool().malloc),
+                 lambda: _pools_malloc(ShareableMemoryPool, usable)),
             )
         ]
     report["problems"] = _problems(report)
     report["ok"] = _ok(report)
     return report
+
+
+def _pools_malloc(make: Any, devices: list[int]) -> Any:
+    """A ``malloc`` from a pool ``make(d)`` of each of ``devices`` (the current GPU's): pools of these GPUs alone,
+    none of a GPU left out of the self-tests (one in the prohibited compute mode admits no context)."""
+    pools = {d: make(d) for d in devices}
+    return lambda size: pools[_cuda.current_device()].malloc(size)
 
 
 def _ok(report: dict[str, Any]) -> bool:

@@ -302,3 +302,24 @@ def test_a_self_test_whose_pipe_cannot_be_made_is_reported_not_raised(monkeypatc
     monkeypatch.setattr(_doctor.multiprocessing, "get_context", lambda method: Spawn())
     result = _doctor._self_test([0], _doctor._LEGACY)
     assert result["works"] is False and "Too many open files" in result["detail"] and result["remedy"]
+
+
+# The pools' self-test made a ShareableMemoryPool of every GPU, also of one in the prohibited compute mode, which
+# the self-tests leave out: where its pool could not be made, the mode failed on the usable GPUs too.
+def test_the_pools_self_test_makes_pools_on_the_gpus_it_tests_alone(monkeypatch):
+    from cupy_ipc import _cuda, _doctor
+
+    made = []
+
+    class Pool:
+        def __init__(self, device):
+            made.append(device)
+            self.device = device
+
+        def malloc(self, size):
+            return (self.device, size)
+
+    malloc = _doctor._pools_malloc(Pool, [0, 2])
+    assert made == [0, 2]
+    monkeypatch.setattr(_cuda, "current_device", lambda: 2)
+    assert malloc(64) == (2, 64)
