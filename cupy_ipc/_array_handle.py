@@ -134,7 +134,10 @@ def _check_still_allocated(base: int, buffer_id: int, f: ArrayFields) -> None:
     if f.kind == Kind.VMM:
         # Virtual memory: the run of pieces exported under the handle's id, each still where it was exported.
         run = _vmm.exported_run(_producer_numbers(f), f.resource)
-        if run is None or run[0] != (base, buffer_id):
+        if run is None:  # (as a freed allocation's are once its descriptors are closed)
+            raise IpcError("this process exported that virtual memory and has since freed it (its descriptors "
+                           "are closed), or the handle is forged")
+        if run[0] != (base, buffer_id):
             raise HandleError("the handle names virtual memory that this process does not export under its "
                               "descriptors and id: it is forged or corrupt")
         mapped = _vmm.still_mapped(run)
@@ -1063,6 +1066,11 @@ class IpcArrayHandle:
             _check_still_allocated(own_ptr, buffer_id, f)
         if own_ptr is not None and map_device != home:
             _cuda.enable_peer_access(map_device, home)  # CUDA IPC would have done it for an import
+            # Neither pool nor virtual memory follows peer access: map_device is given access as an import's is.
+            if f.kind == Kind.POOL:
+                _pools._give_access(_pools.pool_of(own_ptr), map_device, home)
+            elif f.kind == Kind.VMM:
+                _vmm.give_access(own_ptr, f.allocation_size, map_device)
         # Raises ProducerExitedError if the producer is gone; in our own
         # process it is a second open file, so that our locks are separate.
         seg = _segment.attach(producer.token, producer.pid)
@@ -1075,12 +1083,14 @@ class IpcArrayHandle:
             key = (map_device, f.kind, f.memory_handle, producer.token, f.buffer_id)
             origin = (f.memory_handle, producer.token, f.base_ptr, f.allocation_size)
         elif f.kind == Kind.POOL:  # the same allocation may come with other export bytes
-            key = (map_device, f.kind, producer.token, f.buffer_id, f.resource)
+            key = (map_device, f.kind, producer.token, f.buffer_id, f.resource, producer.pid)
             pool_key = (producer.token, f.resource)
             importer = (lambda: _pools.import_pointer(f, map_device, home, self._take_fds),
                         lambda ptr: _pools.free_imported(ptr, pool_key), 0)
         else:
-            key = (map_device, f.kind, producer.token, f.resource, f.allocation_size)
+            # With the pid the descriptors are taken from: a handle naming this producer's token with another
+            # process's pid (and that process's memory) must not be keyed as this producer's memory.
+            key = (map_device, f.kind, producer.token, f.resource, f.allocation_size, producer.pid)
             pieces = _vmm.pieces_of(f)
             importer = (lambda: _vmm.import_mapping(producer.pid, pieces, map_device, self._take_fds()),
                         lambda ptr: _vmm.unmap(ptr, [size for _, size in pieces]), len(pieces))

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from . import _cuda, _fdserver, _fork, _reaper, _segment, _threads
 from ._descriptors import close_quietly, not_inherited
-from ._errors import IpcError, ProducerExitedError, warn_quietly
+from ._errors import HandleError, IpcError, ProducerExitedError, warn_quietly
 
 __all__ = ["export", "exports", "forget", "import_pointer", "pool_of", "received_fd", "release_exited",
            "send_on", "ShareableMemoryPool"]
@@ -29,6 +29,10 @@ _lock = threading.Lock()
 _ids = _fdserver.resource_ids  # one sequence for pools and virtual memory (see there)
 # producer: pool handle -> (descriptor, pool id); also pools imported here whose allocations it sends on
 _exports: dict[int, tuple[int, int]] = {}
+# producer: the pools of live ShareableMemoryPools, the only ones exported: nothing tells when another pool is
+# destroyed, and its entry above would outlive it (its descriptor open, and a later pool of the same handle value
+# exported with it).
+_owned: set[int] = set()
 # consumer: (producer token, pool id) -> (pool, descriptor, producer pid)
 _imports: dict[tuple[bytes, int], tuple[Any, int, int]] = {}
 _access: set[tuple[int, int]] = set()  # consumer: (pool handle, device) given read/write access
@@ -44,6 +48,12 @@ NOT_SHAREABLE = (
     "this memory comes from a stream-ordered pool (cudaMallocAsync) created without a shareable handle type "
     "(CuPy's MemoryAsyncPool uses such a pool), and no other process can import it; allocate it from "
     "cupy_ipc.ShareableMemoryPool, or from CuPy's default MemoryPool"
+)
+
+
+NOT_OURS = (
+    "this memory comes from a shareable stream-ordered pool that cupy_ipc did not create, which it cannot tell "
+    "has been destroyed (its exported descriptor would outlive it); allocate it from cupy_ipc.ShareableMemoryPool"
 )
 
 
@@ -69,6 +79,8 @@ def export(ptr: int, pool: int) -> tuple[bytes, int, int]:
     if not int(types) & int(_cuda.posix_fd()):
         raise IpcError(NOT_SHAREABLE)
     with _lock:
+        if pool not in _owned:
+            raise IpcError(NOT_OURS)
         hit = _exports.get(pool)
         if hit is None:
             fd = ctypes.c_int(-1)  # where the driver writes the descriptor (see _cuda.open_ipc_mapping)
@@ -88,6 +100,8 @@ def _forget_export(pool: int) -> None:
     """Stop exporting pool ``pool`` (it is being destroyed): its descriptor closes and no longer serves."""
     with _lock:
         hit = _exports.pop(pool, None)
+        _owned.discard(pool)
+        _access.difference_update([a for a in _access if a[0] == pool])  # the handle may come back
     if hit is not None:
         _fdserver.retire([hit[0]])
 
@@ -147,6 +161,9 @@ def _imported_pool(token: bytes, pool_id: int, pid: int, fd_number: int,
     key = (token, pool_id)
     with _lock:
         hit = _imports.get(key)
+        if hit is not None and hit[2] != pid:
+            raise HandleError(f"the handle names producer pid {pid}, but this process imported that producer's "
+                              f"pool from pid {hit[2]}: it is forged or corrupt")
         if hit is not None:  # imported once per process: the descriptor need not cross again
             _live_change(key, 1)
             return hit[0]
@@ -304,6 +321,7 @@ def forget() -> None:
     _lock = threading.Lock()  # another thread may have held it at the fork
     fds = {fd for fd, _ in _exports.values()} | {fd for _, fd, _ in _imports.values()}
     _exports.clear()
+    _owned.clear()
     _imports.clear()
     _access.clear()
     _live.clear()
@@ -427,6 +445,8 @@ class ShareableMemoryPool:
                     _destroy([(d, pool.value)])
                 raise
             self._pools.pools[d] = pool.value  # (no call since the create: no interrupt raised between)
+            with _lock:
+                _owned.add(pool.value)
             # Keep freed memory in the pool for the next allocation, as CuPy's pools do.
             (err,) = driver.cuMemPoolSetAttribute(
                 pool.value, driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, driver.cuuint64_t(2**64 - 1))

@@ -288,27 +288,37 @@ def import_mapping(pid: int, pieces: list[tuple[int, int]], device: int, given: 
     # Each handle's place before its import: one that an interrupt (Ctrl-C) arriving during the driver's call is
     # raised after is released too, not lost with the producer's memory held until this process exits.
     handles: list[tuple[ctypes.c_uint64, int]] = []
+    sizes = [size for _, size in pieces]
+    ptr = 0
     try:
-        _cuda.rt().setDevice(device)  # the driver calls below need the device's context current on this thread
-        for k, (number, size) in enumerate(pieces):
-            fd = given_fds[k] if k < len(given_fds) else take_fd(pid, number)
-            if k < len(given_fds):
-                given_fds[k] = -1
-            fds.append(fd)
-            handle = ctypes.c_uint64()
-            handles.append((handle, size))
-            _cuda.import_allocation(fd, device, handle)
-        ptr = _map([(handle.value, size) for handle, size in handles], device)
-    except BaseException:  # the descriptors received too: each would keep the producer's memory alive
-        _close(fds + given_fds)
+        try:
+            _cuda.rt().setDevice(device)  # the driver calls below need the device's context current on this thread
+            for k, (number, size) in enumerate(pieces):
+                fd = given_fds[k] if k < len(given_fds) else take_fd(pid, number)
+                if k < len(given_fds):
+                    given_fds[k] = -1
+                fds.append(fd)
+                handle = ctypes.c_uint64()
+                handles.append((handle, size))
+                _cuda.import_allocation(fd, device, handle)
+            ptr = _map([(handle.value, size) for handle, size in handles], device)
+        finally:  # the mapping holds the memory now, if made
+            _release([handle for handle, _ in handles])
+        with _lock:
+            at = ptr
+            for fd, size in zip(fds, sizes):
+                _kept[at] = fd
+                at += size
+    except BaseException:  # also one raised once mapped (Ctrl-C in a release above): nothing made is stranded
+        if ptr:
+            with _lock:
+                at = ptr
+                for size in sizes:
+                    _kept.pop(at, None)
+                    at += size
+            _unmap(ptr, sizes, sum(sizes))
+        _close(fds + given_fds)  # the descriptors received too: each would keep the producer's memory alive
         raise
-    finally:  # the mapping holds the memory now, if made
-        _release([handle for handle, _ in handles])
-    with _lock:
-        at = ptr
-        for fd, (_, size) in zip(fds, pieces):
-            _kept[at] = fd
-            at += size
     return ptr
 
 
@@ -342,6 +352,13 @@ def _map(handles: list[tuple[Any, int]], device: int) -> int:
             _unmap(ptr.value, mapped, total)
         raise
     return ptr.value
+
+
+def give_access(ptr: int, size: int, device: int) -> None:
+    """Let ``device`` read and write this process's own mapped virtual memory ``[ptr, ptr + size)``: peer access
+    does not reach virtual memory, ``cuMemSetAccess`` does."""
+    (err,) = _driver().cuMemSetAccess(ptr, size, [_cuda.access_desc(device)], 1)
+    _cuda.check(f"giving GPU {device} access to the memory", err)
 
 
 def _release(places: list[ctypes.c_uint64]) -> None:
@@ -457,13 +474,20 @@ def allocate(nbytes: int, shareable: bool = True, pieces: int = 1) -> Any:
     g = int(granularity)
     size = max(1, -(-nbytes // (g * pieces))) * g  # per piece
     handles: list[ctypes.c_uint64] = []  # each made before its call, as in import_mapping
-    try:
-        for _ in range(pieces):
-            handles.append(ctypes.c_uint64())
-            _cuda.create_allocation(size, prop, device, handles[-1])
-        ptr = _map([(handle.value, size) for handle in handles], device)
-    finally:  # the mapping holds the memory now, if made
-        _release(handles)
     sizes = [size] * pieces
-    mem = cupy.cuda.UnownedMemory(ptr, size * pieces, _Owner(ptr, sizes, device), device)
+    ptr = 0
+    try:
+        try:
+            for _ in range(pieces):
+                handles.append(ctypes.c_uint64())
+                _cuda.create_allocation(size, prop, device, handles[-1])
+            ptr = _map([(handle.value, size) for handle in handles], device)
+        finally:  # the mapping holds the memory now, if made
+            _release(handles)
+        owner = _Owner(ptr, sizes, device)
+    except BaseException:  # also one raised once mapped (Ctrl-C in a release above): unmapped, not stranded
+        if ptr:
+            _unmap(ptr, sizes, size * pieces)
+        raise
+    mem = cupy.cuda.UnownedMemory(ptr, size * pieces, owner, device)
     return cupy.cuda.MemoryPointer(mem, 0)

@@ -210,6 +210,7 @@ def _export_a_pool_and_virtual_memory(conn) -> None:
     driver = _Driver(pool, memory)
     _cuda._driver = lambda: driver
     _cuda._libcuda_fn = lambda name, *argtypes: None  # the fake driver serves, also where libcuda loads
+    _pools._owned.add(0x5000)  # a ShareableMemoryPool's
     _, pool_fd, pool_id = _pools.export(0x1000, 0x5000)
     memory_fd, _ = _vmm.export(0x7F0000000000, 5)
     conn.send((serve(_exported, pool_id), pool_id, pool_fd, memory_fd))

@@ -75,6 +75,7 @@ def driver(monkeypatch, libcuda):
     for name in ("_imports", "_live", "_pointer_pool", "_exports"):
         monkeypatch.setattr(_pools, name, {})
     monkeypatch.setattr(_pools, "_access", {(POOL, 0)})
+    monkeypatch.setattr(_pools, "_owned", {POOL})
     return d
 
 
