@@ -1143,12 +1143,14 @@ class IpcArrayHandle:
         """
         if self._fd is not None:  # the imports hold their own copies
             _fdserver.retire(list(self._swap_fds(None) or ()))
-        opened = self._opened[:]
-        self._opened.clear()
+        opened = self._opened  # taken one by one (a pop is atomic): an open racing this close is not lost untracked
         outliving = 0
         incomplete = None
-        while opened:
-            arr = opened.pop()
+        while True:
+            try:
+                arr = opened.pop()
+            except IndexError:
+                break
             if arr.size == 0:
                 continue
             mem = arr.data.mem
