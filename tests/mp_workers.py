@@ -17,7 +17,8 @@ import cupy_ipc.multiprocessing  # noqa: F401 - registers the reducers in the ch
 
 
 def double(a: Any) -> Any:
-    """A new array of the worker's own: the result travels back by handle."""
+    """A new array of the worker's own: the result travels back by handle. ``a`` must have come by handle."""
+    assert cupy_ipc.open_info(a) is not None, "the worker received a copy, not the sender's memory"
     return a * 2
 
 

@@ -178,3 +178,14 @@ def test_the_hints_about_handles_come_with_opens_only():
 
     with pytest.raises(_cuda.IpcError, match="the CUDA context is lost"):
         _cuda.call("recording an event", illegal_address)
+
+
+# CuPy's device properties end a UUID at its first zero byte: the driver's whole one is the device's.
+def test_a_device_uuid_is_whole_where_cupys_properties_cut_it(monkeypatch, libcuda):
+    from cupy_ipc import _cuda
+
+    whole = bytes.fromhex("5a1f00c29b3e4d7fa0b1c2d3e4f50617")
+    libcuda.update(cuInit=lambda flags: 0, cuDeviceGet=lambda out, i: 0,
+                   cuDeviceGetUuid_v2=lambda buf, dev: ctypes.memmove(buf, whole, 16) and 0)
+    monkeypatch.setattr(_cuda, "rt", lambda: types.SimpleNamespace(getDeviceProperties=lambda i: {"uuid": whole[:2]}))
+    assert _cuda.device_uuid(0) == whole

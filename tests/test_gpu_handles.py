@@ -373,8 +373,8 @@ def test_handle_from_another_host_is_refused_before_cuda(consumer):
 
     real = cupy_ipc.get_ipc_handle(cupy.ones(8), keepalive=False, sync=False)
     p = real.producer
-    other = cupy_ipc.IpcArrayHandle(
-        memory_handle=real.memory_handle, offset=0, allocation_size=real.allocation_size,
+    other = cupy_ipc.IpcArrayHandle(  # a memory handle the driver would refuse: a CUDA call made first says so
+        memory_handle=bytes(64), offset=0, allocation_size=real.allocation_size,
         shape=(8,), strides=(8,), dtype="float64", device=real.device,
         producer=(p.pid, p.token, bytes(reversed(p.boot_id)), "elsewhere"),
     )
@@ -468,10 +468,17 @@ def test_device_uuids_are_whole():
 
     listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout \
         if shutil.which("nvidia-smi") else None
+    from cuda.bindings import driver
+
     for i in range(cupy.cuda.runtime.getDeviceCount()):
         uuid = device_uuid(i)
         assert len(uuid) == 16
         assert uuid.startswith(bytes(cupy.cuda.runtime.getDeviceProperties(i)["uuid"]))
+        err, dev = driver.cuDeviceGet(i)
+        assert err == driver.CUresult.CUDA_SUCCESS
+        err, whole = driver.cuDeviceGetUuid(dev)  # the driver's, through cuda-bindings: another path than ours
+        assert err == driver.CUresult.CUDA_SUCCESS
+        assert uuid == bytes(whole.bytes)[:16], "not the driver's whole UUID"
         if listing is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
             assert f"GPU-{_uuid_text(uuid)}" in listing
 

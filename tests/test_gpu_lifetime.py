@@ -82,11 +82,13 @@ def test_pin_outlives_consumer_gpu_work(remote):
     data = cupy_ipc.get_ipc_handle(a).to_bytes()
     del a
     consumer.call("spin_then_drop", data, 2.0)  # returns as soon as the array is dropped
+    dropped = time.monotonic()
     assert len(cupy_ipc.pinned()) == 1
-    deadline = time.monotonic() + 20
+    deadline = dropped + 20
     while cupy_ipc.pinned() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert cupy_ipc.pinned() == []
+    assert time.monotonic() - dropped > 1.0, "the pin ended before the consumer's 2 s kernel could have"
 
 
 def test_an_array_dropped_off_its_openers_per_thread_stream_is_released_after_that_streams_work_only(
@@ -551,7 +553,10 @@ def test_an_opened_array_dropped_in_a_forked_child_makes_no_cuda_call(remote):
     said = os.read(r, 65536).decode()
     os.close(r)
     assert os.waitstatus_to_exitcode(ended[1]) == 0 and said == "nothing"
-    assert float(arr.sum()) == 3.0 * 1024  # the parent's mapping and claim are untouched
+    # The claim is a lock of an open file description that the child shares: let go of there, the producer's
+    # sweep would end its pin (the memory stays valid here only because the producer keeps the array too).
+    assert producer.call("pinned_count") == 1
+    assert float(arr.sum()) == 3.0 * 1024  # the parent's mapping is untouched
 
 
 @pytest.mark.multi_gpu(2)

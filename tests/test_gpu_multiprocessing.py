@@ -14,6 +14,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+import cupy_ipc
 import cupy_ipc.multiprocessing as mp
 
 import mp_workers
@@ -126,8 +127,9 @@ def test_pool_of_four_maps_over_a_hundred_arrays():
         assert len(results) == 100
         for i, r in enumerate(results):
             assert isinstance(r, cupy.ndarray)
+            assert cupy_ipc.open_info(r) is not None, "a result came as a copy, not by handle"
             assert float(r[0]) == 2 * i and float(r[-1]) == 2 * i
-        assert float(single[0]) == 14
+        assert float(single[0]) == 14 and cupy_ipc.open_info(single) is not None
         assert sums == [2.0 * i * 4096 for i in range(10)]
 
 
@@ -140,6 +142,7 @@ def test_process_pool_executor():
         one = ex.submit(mp_workers.double, arrays[3]).result(60)
         assert [float(r[0]) for r in results] == [2.0 * i for i in range(8)]
         assert float(one[5]) == 6
+        assert all(cupy_ipc.open_info(r) is not None for r in [*results, one]), "a result came as a copy"
 
 
 def test_received_array_passed_on_to_a_third_process(ctx):
@@ -174,7 +177,8 @@ def test_an_allocation_received_directly_and_relayed_outlives_either_array_dropp
     to_b.put(a)
     back.get(timeout=60)  # B's relay of our memory, sent back to us (dropped at once)
     same, mapped, values = out.get(timeout=60)
-    assert mapped == 1, f"one pointer for both: {same}"  # the dropped array's entry is gone, the other's stays
+    assert same, "the driver gave two pointers: the case of one mapping under two entries is not exercised"
+    assert mapped == 1  # the dropped array's entry is gone, the other's stays
     np.testing.assert_array_equal(values, expected)
     assert out.get(timeout=60) == 0
     to_b.put(None)
@@ -647,6 +651,7 @@ def test_an_array_from_a_process_that_ends_at_once_arrives_whole(ctx, busy):
     got = q.get(timeout=60)
     p.join(60)
     assert p.exitcode == 0
+    assert cupy_ipc.open_info(got) is not None  # by handle: a copy would not race the sender's exit
     assert float(got.min()) == 3.0 == float(got.max())
 
 
@@ -657,6 +662,7 @@ def test_a_pool_whose_workers_end_after_each_task_returns_every_array(method):
     with mp.get_context(method).Pool(2, maxtasksperchild=1) as pool:
         results = pool.map_async(mp_workers.filled, [float(i) for i in range(6)]).get(120)
     assert [(float(r.min()), float(r.max())) for r in results] == [(float(i), float(i)) for i in range(6)]
+    assert all(cupy_ipc.open_info(r) is not None for r in results)  # by handle: a copy races no worker's exit
 
 
 def test_a_process_whose_array_nobody_receives_ends_after_its_exit_wait(ctx, capfd):

@@ -386,13 +386,14 @@ def test_release_on_a_thread_that_took_a_finished_openers_ident_is_still_ordered
     # stream is idle; the opener's may still read the memory.
     box = []
     opener = threading.Thread(target=lambda: box.append(_ptds_lease()))
-    finished, _, _ = _stub_release(monkeypatch, lambda: threading.current_thread() is opener)
+    finished, deferred, recorded = _stub_release(monkeypatch, lambda: threading.current_thread() is opener)
     # The reuse made certain: every thread shows one ident to the module (what it compared before).
     monkeypatch.setattr(_mapping, "threading", types.SimpleNamespace(get_ident=lambda: 0x7F00))
     opener.start()
     opener.join()
     _on_a_thread(box.clear)  # the last reference: Lease.__del__ runs on that thread
     assert not finished, "released at once: the finished opener's per-thread stream may still read the memory"
+    assert recorded == [(_Event.ptr, 1)] and len(deferred) == 1  # ordered on the legacy stream, ended later
 
 
 def test_the_current_stream_passed_explicitly_orders_as_the_default_does(gpus):

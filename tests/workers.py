@@ -1066,17 +1066,21 @@ def collect_a_cycle_holding_the_pools_lock(data: bytes) -> dict[str, Any]:
 
     arr = IpcArrayHandle.from_bytes(data)._open()
     value = float(arr[0])
-    cycle: list[Any] = [arr]
-    cycle.append(cycle)
-    del arr, cycle
+    gc.disable()  # no automatic collection on this thread frees the cycle before the collector's
+    try:
+        cycle: list[Any] = [arr]
+        cycle.append(cycle)
+        del arr, cycle
 
-    def collect() -> None:
-        with _pools._lock:
-            gc.collect()
+        def collect() -> None:
+            with _pools._lock:
+                gc.collect()
 
-    collector = threading.Thread(target=collect, daemon=True)
-    collector.start()
-    collector.join(20)
+        collector = threading.Thread(target=collect, daemon=True)
+        collector.start()
+        collector.join(20)
+    finally:
+        gc.enable()
     return {"value": value, "stuck": collector.is_alive(), "mapped": _mapped_once_released()}
 
 
